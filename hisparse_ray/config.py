@@ -1,0 +1,169 @@
+"""The one frozen configuration root (pure ring: standard library only).
+
+``HiSparseConfig`` carries the keys of SGLang's ``--hisparse-config`` JSON plus ``host_pool_gib``;
+``KVLayout`` describes one MLA KV row and how rows group into host blocks. Every invalid value
+raises :class:`~hisparse_ray.errors.ConfigError` naming the key, the value and what is allowed.
+Environment variables are read here and nowhere else (:func:`env_flag`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from hisparse_ray.errors import ConfigError
+
+GIB = 1 << 30
+
+# Thread-block sizes the resolver kernel runs correctly with: whole warps, at least 2 warps (the
+# ballot/scan LRU update needs >= 2 warps to hold the per-warp offsets), at most 1024 (CUDA limit).
+# The original SGLang kernel silently corrupted its LRU below 512 threads; ours is written for any
+# warp multiple in this range and tests sweep it.
+MIN_BLOCK_THREADS = 64
+MAX_BLOCK_THREADS = 1024
+
+# Bytes of one token's KV in one layer.
+#   bf16 MLA: (kv_lora_rank 512 + rope 64) dims * 2 B = 1152 B.
+#   fp8 FlashMLA layout: 512 fp8 latent + 4 fp32 scales + 64 bf16 rope = 512 + 16 + 128 = 656 B.
+KV_ROW_BYTES = {"bf16": 1152, "fp8": 656}
+
+
+def _int(key: str, value: Any, *, lo: int, allowed: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, value, f"must be an integer; {allowed}")
+    if value < lo:
+        raise ConfigError(key, value, allowed)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class HiSparseConfig:
+    """Per-decode-replica HiSparse settings (the SGLang ``--hisparse-config`` keys + capacity).
+
+    top_k: positions the indexer selects per layer and step (K).
+    device_buffer_size: hot slots per request and layer (H); must be >= top_k.
+    host_to_device_ratio: logical host pool size relative to the device pool (SGLang's sizing).
+    swap_in_block_size: CUDA threads per resolver thread block.
+    host_pool_gib: usable host-cache capacity per data-parallel replica (not a node budget),
+        rounded down to whole host blocks by :meth:`KVLayout.host_blocks`.
+    """
+
+    top_k: int = 2048
+    device_buffer_size: int = 4096
+    host_to_device_ratio: int = 10
+    swap_in_block_size: int = 960
+    host_pool_gib: float = 4.0
+
+    def __post_init__(self) -> None:
+        _int("top_k", self.top_k, lo=1, allowed="must be >= 1")
+        _int("device_buffer_size", self.device_buffer_size, lo=1, allowed="must be >= 1")
+        if self.device_buffer_size < self.top_k:
+            raise ConfigError(
+                "device_buffer_size",
+                self.device_buffer_size,
+                f"must be >= top_k ({self.top_k}): every selected position needs a hot slot",
+            )
+        _int("host_to_device_ratio", self.host_to_device_ratio, lo=1, allowed="must be >= 1")
+        block_rule = (
+            f"must be a multiple of 32 in [{MIN_BLOCK_THREADS}, {MAX_BLOCK_THREADS}] "
+            "(whole warps the resolver kernel can run correctly)"
+        )
+        b = _int("swap_in_block_size", self.swap_in_block_size, lo=MIN_BLOCK_THREADS, allowed=block_rule)
+        if b > MAX_BLOCK_THREADS or b % 32:
+            raise ConfigError("swap_in_block_size", b, block_rule)
+        g = self.host_pool_gib
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g <= 0:
+            raise ConfigError("host_pool_gib", g, "must be a finite number > 0 (GiB per replica)")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HiSparseConfig":
+        if not isinstance(data, dict):
+            raise ConfigError("hisparse-config", data, "must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(key, data[key], f"unknown key; allowed keys: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HiSparseConfig":
+        """Parse SGLang's ``--hisparse-config`` JSON (``host_pool_gib`` may be added)."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ConfigError("hisparse-config", text, f"must be valid JSON ({e})") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @property
+    def hot_slots(self) -> int:
+        """Device rows per (request, layer): H hot slots + 1 reserved newest-token slot."""
+        return self.device_buffer_size + 1
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of the MLA KV cache: one row per (token, layer), rows grouped into pages (host blocks).
+
+    kv_dtype: "bf16" (1152 B rows) or "fp8" (656 B FlashMLA rows); ``row_bytes`` overrides it
+        (for tiny test models whose latent is smaller).
+    num_layers: sparse MLA layers whose KV HiSparse holds.
+    page_size: tokens per page; one host block holds one page of every layer.
+    """
+
+    num_layers: int = 61
+    kv_dtype: str = "bf16"
+    page_size: int = 64
+    row_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _int("num_layers", self.num_layers, lo=1, allowed="must be >= 1")
+        if self.kv_dtype not in KV_ROW_BYTES:
+            raise ConfigError("kv_dtype", self.kv_dtype, f"must be one of {sorted(KV_ROW_BYTES)}")
+        _int("page_size", self.page_size, lo=1, allowed="must be >= 1 (tokens per page)")
+        if self.row_bytes is not None:
+            _int("row_bytes", self.row_bytes, lo=1, allowed="must be >= 1 (bytes per token per layer)")
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        return self.row_bytes if self.row_bytes is not None else KV_ROW_BYTES[self.kv_dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_token_layer * self.num_layers
+
+    @property
+    def page_bytes_per_layer(self) -> int:
+        return self.bytes_per_token_layer * self.page_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one host block: one page in every layer."""
+        return self.page_bytes_per_layer * self.num_layers
+
+    def host_blocks(self, host_pool_gib: float) -> int:
+        """Whole host blocks that fit ``host_pool_gib`` (rounded down)."""
+        return int(host_pool_gib * GIB) // self.block_bytes
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """Read a boolean environment switch (the only place the package reads the environment)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)

@@ -1,0 +1,110 @@
+"""The one HiSparse error hierarchy (all rings).
+
+Every exception keeps ``self.args`` equal to the positional arguments of its ``__init__``: that is
+what pickle (and so Ray, when it re-raises an actor's exception on the caller) uses to rebuild it.
+Subclasses with fields therefore pass exactly those fields to ``super().__init__`` and format the
+message in ``__str__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HiSparseError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(HiSparseError, ValueError):
+    """A configuration value is invalid: names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        super().__init__(key, value, allowed)
+        self.key, self.value, self.allowed = key, value, allowed
+
+    def __str__(self) -> str:
+        return f"invalid config {self.key}={self.value!r}: {self.allowed}"
+
+
+class StateError(HiSparseError):
+    """A call that the coordinator's or a pool's current state does not allow (state unchanged)."""
+
+
+class UnknownRequestError(StateError, KeyError):
+    def __init__(self, request_id: Any) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return f"unknown request id {self.request_id!r}"
+
+
+class DuplicateRequestError(StateError):
+    def __init__(self, request_id: Any) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return f"request id {self.request_id!r} is already known"
+
+
+class UnknownTransferError(StateError, KeyError):
+    def __init__(self, transfer_id: Any) -> None:
+        super().__init__(transfer_id)
+        self.transfer_id = transfer_id
+
+    def __str__(self) -> str:
+        return f"unknown transfer id {self.transfer_id!r}"
+
+
+class UnknownRankError(StateError, KeyError):
+    def __init__(self, rank: Any, tp_size: int) -> None:
+        super().__init__(rank, tp_size)
+        self.rank, self.tp_size = rank, tp_size
+
+    def __str__(self) -> str:
+        return f"rank {self.rank!r} is not in 0..{self.tp_size - 1}"
+
+
+class DoubleFreeError(StateError):
+    def __init__(self, what: str, ident: Any) -> None:
+        super().__init__(what, ident)
+        self.what, self.ident = what, ident
+
+    def __str__(self) -> str:
+        return f"{self.what} {self.ident!r} freed twice (or never allocated)"
+
+
+class CapacityError(HiSparseError):
+    """A request can never fit: it needs more than the whole pool holds."""
+
+    def __init__(self, what: str, needed: int, total: int) -> None:
+        super().__init__(what, needed, total)
+        self.what, self.needed, self.total = what, needed, total
+
+    def __str__(self) -> str:
+        return f"{self.what}: needs {self.needed}, the whole pool holds {self.total}"
+
+
+class HostPoolError(HiSparseError):
+    """The pinned host pool could not be created, mapped, registered or removed."""
+
+
+class KernelPreconditionError(HiSparseError, ValueError):
+    """A resolver input breaks the kernel contract (shape, dtype, device, distinct positions...)."""
+
+
+class TransferError(HiSparseError):
+    """A KV transfer (NIXL or local copy) failed; ``request_id`` is None for pool-level failures."""
+
+    def __init__(self, message: str, request_id: Any = None) -> None:
+        super().__init__(message, request_id)
+        self.message, self.request_id = message, request_id
+
+    def __str__(self) -> str:
+        who = f" (request {self.request_id!r})" if self.request_id is not None else ""
+        return f"{self.message}{who}"
+
+
+class TransferTimeoutError(TransferError):
+    """A transfer did not complete within its deadline (after retries)."""
