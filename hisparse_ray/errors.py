@@ -108,3 +108,37 @@ class TransferError(HiSparseError):
 
 class TransferTimeoutError(TransferError):
     """A transfer did not complete within its deadline (after retries)."""
+
+
+class ChannelError(HiSparseError):
+    """The shared-memory step channel failed (segment, framing or peer); ``channel`` names it."""
+
+    def __init__(self, message: str, channel: str = "") -> None:
+        super().__init__(message, channel)
+        self.message, self.channel = message, channel
+
+    def __str__(self) -> str:
+        return f"channel {self.channel}: {self.message}" if self.channel else self.message
+
+
+class ChannelTimeoutError(ChannelError):
+    """No message (recv) or no room (send) within the deadline; the peer may be stuck."""
+
+
+class ChannelClosedError(ChannelError):
+    """The peer closed its end (after the receiver drained every message sent before that)."""
+
+
+class ChannelPeerLostError(ChannelError):
+    """The peer process died without closing its end."""
+
+
+class MessageTooLargeError(ChannelError, ValueError):
+    """A pickled message does not fit the ring at all (raise the channel capacity)."""
+
+    def __init__(self, nbytes: int, max_bytes: int, channel: str = "") -> None:
+        ChannelError.__init__(self, f"message of {nbytes} bytes exceeds the ring's "
+                              f"{max_bytes}-byte maximum", channel)
+        self.args = (nbytes, max_bytes, channel)
+        self.nbytes, self.max_bytes = nbytes, max_bytes
+
