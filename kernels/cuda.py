@@ -1,0 +1,219 @@
+"""CUDA launchers of the resolver kernels (ring 2: torch + cupy), twins of ``kernels/reference.py``.
+
+``kernels/csrc/resolver.cu`` is compiled once per process with ``cupy.RawModule`` and launched on
+torch's current stream: no host sync, no allocation but the optional plan scratch, so a call can be
+captured in a CUDA graph (warm it up once first: compiling is not capturable). Host views are read
+or written zero-copy through UVA, so they must be pinned (or device) memory. ``debug=True`` (or the
+environment switch ``HISPARSE_KERNEL_DEBUG``) adds the data-precondition checks (host readback).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+
+import torch
+
+from hisparse_ray.config import env_flag
+from hisparse_ray.kernels._contract import (
+    DEFAULT_BLOCK_THREADS,
+    _fail,
+    check_copy_index,
+    check_kv_pair,
+    check_resolve_args,
+    check_resolve_preconditions,
+    check_rows_in_range,
+)
+
+COPY_THREADS = 256
+
+
+def available() -> bool:
+    """True when cupy imports and torch sees a CUDA device."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def _module(device_index: int):
+    import cupy
+
+    src = importlib.resources.files("hisparse_ray.kernels.csrc").joinpath("resolver.cu").read_text()
+    with cupy.cuda.Device(device_index):
+        mod = cupy.RawModule(code=src, options=("-std=c++17",))
+        return mod.get_function("hs_resolve"), mod.get_function("hs_copy_rows")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_smem_set: dict[int, int] = {}
+
+
+def _launch(kernel, grid, block, args, shared_mem: int, device: torch.device) -> None:
+    import cupy
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(idx):
+        if shared_mem > 48 * 1024 and _smem_set.get(id(kernel), 0) < shared_mem:
+            kernel.max_dynamic_shared_size_bytes = shared_mem
+            _smem_set[id(kernel)] = shared_mem
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, idx)
+        with stream:
+            kernel(grid, block, args, shared_mem=shared_mem)
+
+
+def _ptr(t: torch.Tensor):
+    import numpy as np
+
+    return np.uint64(t.data_ptr())
+
+
+def _check_reachable(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.is_cuda:
+        if t.device != device:
+            _fail(f"{name} is on {t.device}, the kernel runs on {device}")
+    elif not t.is_pinned():
+        _fail(f"{name} must be pinned host memory (read through UVA) or on {device}")
+
+
+def _vec_width(row_bytes: int, *tensors: torch.Tensor) -> int:
+    for v in (16, 8, 4):
+        if row_bytes % v == 0 and all(t.data_ptr() % v == 0 for t in tensors):
+            return v
+    return 1
+
+
+def _copy(src_idx, dst_idx, stride: int, n_entries: int, src, src_layer_stride: int, dst,
+          dst_layer_stride: int, layers: int, row_bytes: int, device: torch.device) -> None:
+    import numpy as np
+
+    if n_entries == 0 or layers == 0:
+        return
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    target_warps = _sm_count(idx) * 32
+    group = 1
+    while group < 32 and group * target_warps < n_entries:
+        group *= 2
+    warps = -(-n_entries // group)
+    blocks = min(-(-warps // (COPY_THREADS // 32)), _sm_count(idx) * 16)
+    _, kernel = _module(idx)
+    args = (
+        _ptr(src_idx) if src_idx is not None else np.uint64(0), _ptr(dst_idx), np.int32(stride),
+        np.int64(n_entries), _ptr(src), np.int64(src_layer_stride), _ptr(dst),
+        np.int64(dst_layer_stride), np.int64(row_bytes), np.int32(_vec_width(row_bytes, src, dst)),
+        np.int32(group),
+    )
+    _launch(kernel, (blocks, layers), (COPY_THREADS,), args, 0, device)
+
+
+def resolve(
+    top_k: torch.Tensor,
+    seq_lens: torch.Tensor,
+    state_idx: torch.Tensor,
+    slot_pos: torch.Tensor,
+    lru: torch.Tensor,
+    slot_rows: torch.Tensor,
+    resident_table: torch.Tensor,
+    host_table: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_kv: torch.Tensor,
+    out_rows: torch.Tensor,
+    plan: torch.Tensor | None = None,
+    *,
+    page_size: int,
+    block_threads: int = DEFAULT_BLOCK_THREADS,
+    debug: bool | None = None,
+) -> None:
+    """CUDA twin of :func:`hisparse_ray.kernels.reference.resolve` (same shapes and semantics).
+
+    Two launches on torch's current stream: phase A (one block of ``block_threads`` per batch
+    row) classifies, updates slot_pos/lru and writes out_rows and the plan; phase B (a grid of
+    many blocks) copies the planned rows from host_kv (pinned, UVA) into device_kv. When ``plan``
+    is None a scratch plan is allocated on the current stream."""
+    import numpy as np
+
+    b, k, h = check_resolve_args(
+        top_k, seq_lens, state_idx, slot_pos, lru, slot_rows, resident_table, host_table,
+        host_kv, device_kv, out_rows, plan, page_size, block_threads,
+    )
+    device = device_kv.device
+    if not device_kv.is_cuda:
+        _fail(f"device_kv must be on a CUDA device, got {device}")
+    _check_reachable("host_kv", host_kv, device)
+    if debug is None:
+        debug = env_flag("HISPARSE_KERNEL_DEBUG")
+    if debug:
+        check_resolve_preconditions(
+            top_k, seq_lens, state_idx, slot_pos, lru, resident_table, host_table, page_size
+        )
+    if plan is None:
+        plan = torch.empty((b, k, 2), dtype=torch.int32, device=device)
+    hash_bits = max(6, (2 * k - 1).bit_length())
+    smem = 4 * (2 * (1 << hash_bits) + 3 * k + 64) + h
+    kernel, _ = _module(device.index if device.index is not None else torch.cuda.current_device())
+    args = (
+        _ptr(top_k), np.int32(k), _ptr(seq_lens), np.int32(seq_lens.dtype == torch.int64),
+        _ptr(state_idx), _ptr(slot_pos), _ptr(lru), np.int32(h), _ptr(slot_rows),
+        _ptr(resident_table), _ptr(host_table), np.int32(resident_table.shape[1]),
+        np.int32(page_size), _ptr(out_rows), _ptr(plan), np.int32(hash_bits),
+    )
+    _launch(kernel, (b,), (block_threads,), args, smem, device)
+    if debug:
+        check_rows_in_range("plan (host rows)", plan[..., 0], host_kv.shape[0])
+        check_rows_in_range("plan (device rows)", plan[..., 1], device_kv.shape[0])
+    rb = int(device_kv.shape[1])
+    flat = plan.view(-1)
+    _copy(flat[0:], flat[1:], 2, b * k, host_kv, 0, device_kv, 0, 1, rb, device)
+
+
+def replay(
+    plan: torch.Tensor, host_kv: torch.Tensor, device_kv: torch.Tensor, *, debug: bool | None = None
+) -> None:
+    """CUDA twin of :func:`hisparse_ray.kernels.reference.replay`: the copy-only phase B on the
+    current stream (run it on a side stream that waited for the anchor layer's resolve)."""
+    check_copy_index("plan", plan, 3)
+    if plan.shape[-1] != 2:
+        _fail(f"plan must be [B, K, 2], got {tuple(plan.shape)}")
+    rb = check_kv_pair("host_kv", host_kv, "device_kv", device_kv, 2)
+    device = device_kv.device
+    if not device_kv.is_cuda or plan.device != device:
+        _fail(f"device_kv and plan must be on one CUDA device, got {device} and {plan.device}")
+    _check_reachable("host_kv", host_kv, device)
+    if debug if debug is not None else env_flag("HISPARSE_KERNEL_DEBUG"):
+        check_rows_in_range("plan (host rows)", plan[..., 0], host_kv.shape[0])
+        check_rows_in_range("plan (device rows)", plan[..., 1][plan[..., 0] >= 0], device_kv.shape[0])
+    flat = plan.view(-1)
+    _copy(flat[0:], flat[1:], 2, plan.numel() // 2, host_kv, 0, device_kv, 0, 1, rb, device)
+
+
+def backup(
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    *,
+    debug: bool | None = None,
+) -> None:
+    """CUDA twin of :func:`hisparse_ray.kernels.reference.backup`: device -> pinned host rows of
+    every layer in one launch (grid.y = layers), zero-copy writes through UVA."""
+    check_copy_index("src_rows", src_rows, 1)
+    check_copy_index("dst_rows", dst_rows, 1)
+    if src_rows.shape != dst_rows.shape:
+        _fail(f"src_rows {tuple(src_rows.shape)} and dst_rows {tuple(dst_rows.shape)} differ")
+    rb = check_kv_pair("device_kv", device_kv, "host_kv", host_kv, 3)
+    device = device_kv.device
+    if not device_kv.is_cuda or src_rows.device != device or dst_rows.device != device:
+        _fail(f"device_kv, src_rows, dst_rows must be on one CUDA device, got {device}")
+    _check_reachable("host_kv", host_kv, device)
+    if debug if debug is not None else env_flag("HISPARSE_KERNEL_DEBUG"):
+        check_rows_in_range("src_rows", src_rows, device_kv.shape[1])
+        check_rows_in_range("dst_rows", dst_rows[src_rows >= 0], host_kv.shape[1])
+    layers = int(device_kv.shape[0])
+    _copy(src_rows, dst_rows, 1, src_rows.numel(), device_kv, device_kv.stride(0), host_kv,
+          host_kv.stride(0), layers, rb, device)
