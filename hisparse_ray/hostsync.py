@@ -1,0 +1,147 @@
+"""Cross-process ordering for the shared host pool (adapter ring): the header's seqlock counter and
+the ring of CUDA IPC events that rank 0 records after each batch of writes.
+
+The counter is a u64 in the shared header, stored with release and loaded with acquire semantics
+through libatomic (``__atomic_store_8`` / ``__atomic_load_8``) so that the ordering also holds on
+weakly ordered CPUs. Without libatomic the fallback is a plain aligned 8-byte store/load, which is
+correct on x86-64 (TSO: each ctypes/numpy call is a compiler barrier and stores stay in order).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hisparse_ray.errors import HostPoolError
+
+_ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5
+
+
+def _load_libatomic() -> tuple[Any, Any, Any] | None:
+    """(load_8, store_8, thread_fence or None) from libatomic, None if it cannot be loaded."""
+    for name in (ctypes.util.find_library("atomic"), "libatomic.so.1"):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+            load, store = getattr(lib, "__atomic_load_8"), getattr(lib, "__atomic_store_8")
+        except (OSError, AttributeError):
+            continue
+        load.restype, load.argtypes = ctypes.c_uint64, (ctypes.c_void_p, ctypes.c_int)
+        store.restype, store.argtypes = None, (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int)
+        fence = getattr(lib, "atomic_thread_fence", None)
+        if fence is not None:
+            fence.restype, fence.argtypes = None, (ctypes.c_int,)
+        return load, store, fence
+    return None
+
+
+_ATOMICS = _load_libatomic()
+_LOAD, _STORE, _FENCE = _ATOMICS if _ATOMICS is not None else (None, None, None)
+
+
+class SharedCounter:
+    """A u64 at a fixed, 8-byte aligned address inside a shared mapping.
+
+    ``store`` has release semantics (every earlier write of this thread is visible to a reader that
+    observes the new value), ``load`` acquire semantics. The caller keeps the mapping alive.
+    """
+
+    def __init__(self, address: int) -> None:
+        if address % 8:
+            raise HostPoolError(f"shared counter address {address:#x} is not 8-byte aligned")
+        self._addr = address
+        self._plain = ctypes.c_uint64.from_address(address)
+
+    def load(self) -> int:
+        if _LOAD is not None:
+            return int(_LOAD(self._addr, _ACQUIRE))
+        return int(self._plain.value)
+
+    def store(self, value: int) -> None:
+        if _STORE is not None:
+            _STORE(self._addr, value, _RELEASE)
+        else:
+            self._plain.value = value
+
+    @staticmethod
+    def fence() -> None:
+        """Full fence: orders this thread's earlier loads before a following counter load."""
+        if _FENCE is not None:
+            _FENCE(_SEQ_CST)
+
+
+def spin_until(predicate, timeout_s: float | None, what: str) -> None:
+    """Poll ``predicate`` (busy first, then with short sleeps); HostPoolError after ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    spins = 0
+    while not predicate():
+        spins += 1
+        if spins > 200:
+            time.sleep(min(1e-3, 1e-6 * spins))
+        if deadline is not None and time.monotonic() > deadline:
+            raise HostPoolError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@dataclass(frozen=True, slots=True)
+class Publication:
+    """What rank 0 hands its peers after a batch of writes (fits a control message).
+
+    seq: the published generation (1, 2, ...); a peer calls ``wait_published(seq)`` before it reads
+        any page written in that batch.
+    event_slot: index in the pool's IPC event ring recorded for this batch (-1 on CPU pools).
+    event_handle: that event's CUDA IPC handle (``torch.cuda.Event.ipc_handle()``), b"" on CPU.
+        The same handles are also stored in the pool header, so the message is an optimisation.
+    """
+
+    seq: int
+    event_slot: int = -1
+    event_handle: bytes = b""
+
+
+class IpcEventRing:
+    """Rank 0's ring of interprocess CUDA events, or a peer's opened copies of them.
+
+    Publication g records slot ``g % size`` on the writer's stream. A peer that waits on a slot
+    after it was re-recorded for a later generation waits longer than needed, never shorter, so
+    readers cannot see stale pages; the header counter tells peers a record has been enqueued.
+    """
+
+    def __init__(self, size: int, owner: bool) -> None:
+        import torch
+
+        self.size, self.owner = size, owner
+        self._device = torch.cuda.current_device()
+        self._events: dict[int, Any] = {}
+        self._handles: dict[int, bytes] = {}
+        if owner:
+            for slot in range(size):
+                ev = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                self._events[slot] = ev
+                self._handles[slot] = bytes(ev.ipc_handle())
+
+    def handle(self, slot: int) -> bytes:
+        return self._handles[slot]
+
+    def record(self, slot: int, stream: Any = None) -> None:
+        assert self.owner, "only the pool owner records publication events"
+        import torch
+
+        self._events[slot].record(stream if stream is not None else torch.cuda.current_stream())
+
+    def wait(self, slot: int, handle: bytes, stream: Any = None) -> None:
+        """Make ``stream`` (default: current) wait on the event of ``slot`` (opened from ``handle``)."""
+        import torch
+
+        ev = self._events.get(slot)
+        if ev is None or (not self.owner and self._handles.get(slot) != handle):
+            ev = torch.cuda.Event.from_ipc_handle(self._device, handle)
+            self._events[slot], self._handles[slot] = ev, handle
+        (stream if stream is not None else torch.cuda.current_stream()).wait_event(ev)
+
+    def close(self) -> None:
+        self._events.clear()
+        self._handles.clear()

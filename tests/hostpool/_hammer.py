@@ -1,0 +1,150 @@
+"""Writer/reader routines shared by the process and Ray hammer tests of the host pool.
+
+Page content is a stamp: every int64 of page (layer, block) written in generation g equals
+``stamp(g, block, layer)``; generation 0 is the zero-filled initial state. Both sides derive the
+writer's schedule from the same seed, so a reader knows exactly which generation's stamp each page
+must carry at the generation it observed: anything else is stale, a mixed page is torn.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import torch
+
+from hisparse_ray.config import KVLayout
+from hisparse_ray.hostpool import HostPool
+
+LAYOUT = KVLayout(num_layers=3, page_size=8, row_bytes=64)
+NUM_BLOCKS = 48
+
+
+def stamp(gen: int, block: int, layer: int) -> int:
+    return 0 if gen == 0 else gen * 1_000_000 + block * 100 + layer + 1
+
+
+def schedule(seed: int, gens: int, write_once: bool) -> list[list[int]]:
+    """Blocks written in each generation 1..gens (index 0 is empty). write_once: every block is
+    written at most once (like spills into fresh host blocks), else blocks are rewritten."""
+    rng = random.Random(seed)
+    plan: list[list[int]] = [[]]
+    fresh = list(range(NUM_BLOCKS))
+    rng.shuffle(fresh)
+    for _ in range(gens):
+        if write_once:
+            k = min(len(fresh), rng.randint(1, 3))
+            plan.append([fresh.pop() for _ in range(k)])
+        else:
+            plan.append(rng.sample(range(NUM_BLOCKS), rng.randint(1, 6)))
+    return plan
+
+
+def last_writer(plan: list[list[int]]) -> list[list[int]]:
+    """lw[g][b]: the generation whose stamp block b carries once generation g is published."""
+    cur = [0] * NUM_BLOCKS
+    out = [list(cur)]
+    for g in range(1, len(plan)):
+        for b in plan[g]:
+            cur[b] = g
+        out.append(list(cur))
+    return out
+
+
+def run_writer(pool: HostPool, seed: int, gens: int, write_once: bool) -> int:
+    """Owner side: write every generation of the schedule, with random pauses; returns gens."""
+    rng = random.Random(seed ^ 0x5EED)
+    plan = schedule(seed, gens, write_once)
+    for g in range(1, gens + 1):
+        if not write_once:
+            pool.begin_write()
+        for b in plan[g]:
+            for l in range(LAYOUT.num_layers):
+                page = pool.block(l, b).view(torch.int64)
+                half = page.shape[0] // 2  # two stores per page: a torn read is observable
+                page[:half].fill_(stamp(g, b, l))
+                if rng.random() < 0.05:
+                    time.sleep(rng.random() * 2e-4)
+                page[half:].fill_(stamp(g, b, l))
+        pool.publish()
+        if rng.random() < 0.3:
+            time.sleep(rng.random() * 5e-4)
+    return gens
+
+
+def _check_page(copy: np.ndarray, b: int, l: int, gen: int, lw, stats) -> None:
+    want = stamp(lw[gen][b], b, l)
+    if not (copy == copy[0]).all():
+        stats["torn"] += 1
+    elif int(copy[0]) != want:
+        stats["stale"] += 1
+
+
+def run_reader(pool: HostPool, seed: int, gens: int, write_once: bool, min_reads: int = 200,
+               timeout_s: float = 60.0) -> dict[str, int]:
+    """Peer side: wait for random generations and read random pages; counts torn and stale pages.
+
+    write_once: read after wait_published(g) only (no seqlock): blocks written up to g are final.
+    Otherwise: seqlock reads (read_begin / copy / read_valid), checked against the observed gen.
+    """
+    rng = random.Random(seed ^ 0xBEEF)
+    plan = schedule(seed, gens, write_once)
+    lw = last_writer(plan)
+    stats = {"reads": 0, "pages": 0, "retries": 0, "torn": 0, "stale": 0}
+    deadline = time.monotonic() + timeout_s
+    while (stats["reads"] < min_reads or pool.published() < gens) and time.monotonic() < deadline:
+        target = rng.randint(pool.published(), gens)
+        pool.wait_published(target, timeout_s=timeout_s)
+        if write_once:  # only blocks already final at target (later writes may be in flight)
+            gen = target
+            written = [b for b in range(NUM_BLOCKS) if lw[gen][b] > 0]
+            blocks = rng.sample(written, min(len(written), rng.randint(1, 8)))
+            for b in blocks:
+                for l in range(LAYOUT.num_layers):
+                    copy = pool.block(l, b).reshape(-1).view(torch.int64).numpy().copy()
+                    _check_page(copy, b, l, gen, lw, stats)
+                    stats["pages"] += 1
+        else:
+            blocks = rng.sample(range(NUM_BLOCKS), rng.randint(1, 8))
+            while True:
+                token = pool.read_begin(timeout_s=timeout_s)
+                copies = {(b, l): pool.block(l, b).reshape(-1).view(torch.int64).numpy().copy()
+                          for b in blocks for l in range(LAYOUT.num_layers)}
+                if pool.read_valid(token):
+                    break
+                stats["retries"] += 1
+            gen = token // 2
+            if gen < target:
+                stats["stale"] += 1
+            for (b, l), copy in copies.items():
+                _check_page(copy, b, l, gen, lw, stats)
+                stats["pages"] += 1
+        stats["reads"] += 1
+        if rng.random() < 0.2:
+            time.sleep(rng.random() * 3e-4)
+    stats["final"] = pool.published()
+    return stats
+
+
+def reader_process(name: str, seed: int, gens: int, write_once: bool, queue) -> None:
+    """multiprocessing target: attach, read, report stats through ``queue``."""
+    try:
+        with HostPool.attach(name, register_cuda=False) as pool:
+            queue.put(run_reader(pool, seed, gens, write_once))
+    except BaseException as e:  # report instead of dying silently
+        queue.put({"error": repr(e)})
+
+
+def hold_pool_process(replica_id: str, prefix: str, queue) -> None:
+    """multiprocessing target: create a pool, report its name, then sleep until killed."""
+    pool = HostPool.create(replica_id, LAYOUT, NUM_BLOCKS, register_cuda=False, prefix=prefix)
+    queue.put(pool.name)
+    time.sleep(600)
+
+
+def attach_and_hold_process(name: str, queue) -> None:
+    """multiprocessing target: attach as a peer, report, then sleep until killed."""
+    pool = HostPool.attach(name, register_cuda=False)
+    queue.put(int(pool.layer(0).sum()))
+    time.sleep(600)
