@@ -1,0 +1,180 @@
+"""MLA sparse attention over latent KV rows, with absorbed weights and TP head sharding (ring 2).
+
+Facts from transformers 5.23.0 (``DeepseekV32Attention``):
+
+* ``q = q_b_proj(q_a_layernorm(q_a_proj(x)))`` viewed ``[H, nope + rope]`` (nope first); the latent
+  ``[c, k_rope] = kv_a_proj_with_mqa(x)``, ``c = kv_a_layernorm(c)``; q's and k's rope parts get the
+  interleaved rotation. ``kv_b_proj(c)`` viewed ``[H, nope + v]`` gives per-head ``k_nope`` and ``v``.
+* HF expands K/V for every cached token and adds ``finfo.min`` to the scores of keys not in the
+  indexer's top-k (scattered as a mask over the causal mask); softmax in fp32, cast back.
+* Softmax scale: see :func:`hisparse_ray.model.rope.softmax_scale`.
+
+We never expand: with ``kv_b_proj.weight`` viewed ``[H, nope + v, R]`` (``W_uk = [:, :nope]``,
+``W_uv = [:, nope:]``), ``q_lat[h] = W_uk[h]^T q_nope[h]`` and the score is
+``[q_lat[h], q_rope[h]] . row(t)``; the output is ``W_uv[h] (sum_t p[h, t] c(t))``, then ``o_proj``.
+Prefill and decode share this path (prefill: dense scores with the top-k mask, in query chunks).
+
+Tensor parallel: a rank holds heads ``[rank*H/tp, (rank+1)*H/tp)`` of ``q_b_proj``/``kv_b_proj`` (rows)
+and ``o_proj`` (columns); latent KV rows and the indexer are replicated. The partial ``o_proj`` output
+is summed with one ``all_reduce`` per layer; ``o_proj``'s bias (if any) is added after it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hisparse_ray.model.cache import AttentionKVCache
+from hisparse_ray.model.config import DSAConfig
+from hisparse_ray.model.indexer import Indexer
+from hisparse_ray.model.layers import RMSNorm
+from hisparse_ray.model.rope import rotate_interleaved, softmax_scale
+
+PREFILL_QUERY_CHUNK = 512
+
+
+class MLAAttention(nn.Module):
+    """One layer's MLA with its indexer (``None`` on GLM "shared" layers). ``heads`` is the local head
+    count (``num_attention_heads / tp_size`` after :meth:`shard_heads`)."""
+
+    def __init__(self, cfg: DSAConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.heads = cfg.num_attention_heads
+        bias = cfg.attention_bias
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.row_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * cfg.v_head_dim, cfg.hidden_size, bias=bias)
+        self.indexer = Indexer(cfg) if cfg.indexer_types[layer] == "full" else None
+        self.scale = softmax_scale(cfg)
+        self.tp_group: dist.ProcessGroup | None = None
+        self.tp_size = 1
+
+    # -- tensor parallel -------------------------------------------------------------------------
+    @torch.no_grad()
+    def shard_heads(self, rank: int, tp_size: int, group: dist.ProcessGroup | None) -> None:
+        """Keep only this rank's heads (in place). ``num_attention_heads % tp_size == 0``."""
+        cfg = self.cfg
+        assert self.heads == cfg.num_attention_heads and cfg.num_attention_heads % tp_size == 0
+        h = cfg.num_attention_heads // tp_size
+        lo, hi = rank * h, (rank + 1) * h
+
+        def rows(w: Tensor, per_head: int) -> Tensor:
+            return w.view(cfg.num_attention_heads, per_head, -1)[lo:hi].reshape(h * per_head, -1).clone()
+
+        self.q_b_proj.weight = nn.Parameter(rows(self.q_b_proj.weight, cfg.qk_head_dim))
+        self.kv_b_proj.weight = nn.Parameter(rows(self.kv_b_proj.weight, cfg.qk_nope_head_dim + cfg.v_head_dim))
+        o = self.o_proj.weight.view(cfg.hidden_size, cfg.num_attention_heads, cfg.v_head_dim)
+        self.o_proj.weight = nn.Parameter(o[:, lo:hi].reshape(cfg.hidden_size, h * cfg.v_head_dim).clone())
+        self.heads, self.tp_size, self.tp_group = h, tp_size, group
+
+    # -- shared pieces ---------------------------------------------------------------------------
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``x [N, hidden]`` -> ``(q_full [N, heads, R + rope], q_resid [N, q_lora], row [N, row_dim])``.
+        ``q_full`` is the absorbed query; ``row`` the latent KV row (post-norm, post-rope)."""
+        cfg = self.cfg
+        N = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(N, self.heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = rotate_interleaved(q_rope, cos[:, None], sin[:, None])
+        w = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w[:, : cfg.qk_nope_head_dim])
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        row = torch.cat([self.kv_a_layernorm(c), rotate_interleaved(k_rope, cos, sin)], dim=-1)
+        return torch.cat([q_lat, q_rope], dim=-1), q_resid, row
+
+    def attend(self, q_full: Tensor, rows: Tensor, allowed: Tensor) -> Tensor:
+        """``q_full [B, Q, heads, R + rope]``, ``rows [B, S, row_dim]``, ``allowed [B, Q, S]`` bool (each
+        query has >= 1 allowed row) -> ``[B, Q, hidden]`` after ``o_proj`` and the TP all-reduce."""
+        cfg = self.cfg
+        B, Q = q_full.shape[:2]
+        rows = rows.to(q_full.dtype)
+        s = torch.matmul(q_full, rows[:, None].transpose(-1, -2)) * self.scale  # [B, Q, heads, S]
+        s = s.masked_fill(~allowed[:, :, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q_full.dtype)
+        ctx = torch.matmul(p, rows[:, None, :, : cfg.kv_lora_rank])  # [B, Q, heads, R]
+        w = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        o = torch.einsum("bqhr,hvr->bqhv", ctx, w[:, cfg.qk_nope_head_dim :])
+        out = nn.functional.linear(o.reshape(B, Q, self.heads * cfg.v_head_dim), self.o_proj.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(out, group=self.tp_group)
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+        return out
+
+    # -- one request's prompt ------------------------------------------------------------------
+    def prefill(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        prev_topk: Tensor | None,
+        topk_hook: Callable[[int, Tensor], Tensor | None] | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``x [T, hidden]`` -> ``(out [T, hidden], topk [T, K], row [T, row_dim], index_keys [T, d] | None)``."""
+        T = x.shape[0]
+        q_full, q_resid, row = self.project(x, cos, sin)
+        keys = None
+        if self.indexer is not None:
+            topk, keys = self.indexer.prefill_topk(x, q_resid, cos, sin)
+            if topk_hook is not None:
+                topk = _replace(topk, topk_hook(self.layer, topk))
+        else:
+            assert prev_topk is not None, "shared layer without an anchor"
+            topk = prev_topk
+        outs = []
+        for lo in range(0, T, PREFILL_QUERY_CHUNK):
+            hi = min(T, lo + PREFILL_QUERY_CHUNK)
+            allowed = _scatter_mask(topk[lo:hi], T)
+            outs.append(self.attend(q_full[None, lo:hi], row[None], allowed[None])[0])
+        return torch.cat(outs), topk, row, keys
+
+    # -- one batched decode step -----------------------------------------------------------------
+    def decode(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor,
+        kv_cache: AttentionKVCache,
+        index_keys: Callable[[int, Tensor], Tensor],
+        prev_topk: Tensor | None,
+        topk_hook: Callable[[int, Tensor], Tensor | None] | None,
+    ) -> tuple[Tensor, Tensor]:
+        """``x [B, hidden]`` at ``positions [B]`` -> ``(out [B, hidden], topk [B, K])``. ``index_keys(layer,
+        new_keys [B, d])`` stores the new keys and returns the padded key batch ``[B, N, d]``."""
+        q_full, q_resid, row = self.project(x, cos, sin)
+        kv_cache.write_newest(self.layer, row)
+        if self.indexer is not None:
+            keys = index_keys(self.layer, self.indexer.keys(x, cos, sin))
+            topk = self.indexer.decode_topk(x, q_resid, cos, sin, keys, positions + 1)
+            if topk_hook is not None:
+                topk = _replace(topk, topk_hook(self.layer, topk))
+        else:
+            assert prev_topk is not None, "shared layer without an anchor"
+            topk = prev_topk
+        rows = kv_cache.gather(self.layer, topk)
+        out = self.attend(q_full[:, None], rows, (topk >= 0)[:, None, :])
+        return out[:, 0], topk
+
+
+def _replace(topk: Tensor, new: Tensor | None) -> Tensor:
+    if new is None:
+        return topk
+    assert new.shape == topk.shape, f"topk_hook returned {tuple(new.shape)}, expected {tuple(topk.shape)}"
+    return new.to(device=topk.device, dtype=torch.int64)
+
+
+def _scatter_mask(topk: Tensor, n: int) -> Tensor:
+    """``topk [Q, K]`` (-1 padded) -> bool ``[Q, n]``, True at selected positions."""
+    mask = torch.zeros(topk.shape[0], n + 1, dtype=torch.bool, device=topk.device)
+    mask.scatter_(1, torch.where(topk < 0, n, topk), True)
+    return mask[:, :n]

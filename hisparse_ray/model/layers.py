@@ -1,0 +1,112 @@
+"""Norms, dense MLP and MoE of the DSA model (ring 2). Parameter names mirror HF's state dict.
+
+Facts from transformers 5.23.0:
+
+* RMSNorm computes in fp32 and returns ``weight * normed.to(input_dtype)``. Decoder norms use
+  ``rms_norm_eps``; MLA's ``q_a_layernorm``/``kv_a_layernorm`` use HF's default eps 1e-6.
+* MLP: ``down(silu(gate(x)) * up(x))``. MoE: shared experts (``moe_intermediate_size * n_shared_experts``)
+  plus routed experts stored packed: ``experts.gate_up_proj [E, 2I, D]`` (gate rows first),
+  ``experts.down_proj [E, D, I]``.
+* Router (noaux_tc): ``logits = x.float() @ W.float().T``; ``s = sigmoid(logits)``; choice scores
+  ``s + e_score_correction_bias``; each of ``n_group`` groups is scored by the sum of its top-2 choice
+  scores, the best ``topk_group`` groups are kept, the top ``num_experts_per_tok`` experts by choice
+  score are chosen; their weights are the uncorrected ``s``, divided by ``sum + 1e-20`` when
+  ``norm_topk_prob``, times ``routed_scaling_factor``; weights stay fp32 when multiplied in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hisparse_ray.model.config import DSAConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP, replicated on every TP rank. ``x [..., hidden] -> [..., hidden]``."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Group-limited sigmoid top-k router. ``x [N, hidden] -> (weights [N, k] fp32, experts [N, k] int64)``."""
+
+    def __init__(self, cfg: DSAConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.cfg
+        E, G = cfg.n_routed_experts, cfg.n_group
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias
+        per_group = choice.view(-1, G, E // G)
+        group_score = per_group.topk(min(2, E // G), dim=-1).values.sum(-1)  # [N, G]
+        keep_groups = group_score.topk(cfg.topk_group, dim=-1).indices
+        group_keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep_groups, True)
+        expert_keep = group_keep[:, :, None].expand(-1, G, E // G).reshape(-1, E)
+        choice = choice.masked_fill(~expert_keep, float("-inf"))
+        experts = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, experts
+
+
+class Experts(nn.Module):
+    """Routed experts, packed. Replicated on every TP rank (no expert parallelism here)."""
+
+    def __init__(self, cfg: DSAConfig) -> None:
+        super().__init__()
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+    def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """``x [N, D]``, ``weights [N, k]`` fp32, ``experts [N, k]`` -> ``[N, D]`` in ``x.dtype``."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            tok, slot = torch.nonzero(experts == e, as_tuple=True)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Shared + routed experts. ``x [..., hidden] -> [..., hidden]``."""
+
+    def __init__(self, cfg: DSAConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, experts = self.gate(flat)
+        routed = self.experts(flat, weights, experts).view(shape)
+        return routed + self.shared_experts(x)

@@ -1,0 +1,14 @@
+"""Model tests run tiny tensors: one intra-op thread is much faster than two contending ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
