@@ -117,15 +117,16 @@ def make_case(
         row = chosen + [-1] * (k - len(chosen))
         rng.shuffle(row)
         top_k[b] = torch.tensor(row, dtype=torch.int32)
-        for sl in range(h):  # hot slots hold their positions' bytes
-            q = int(slot_pos[s, sl])
-            if q >= 0:
-                device_kv[slot_rows[b, sl]] = host_kv[case.host_row(b, q)]
-        for pg in range(pages):  # resident pages hold their positions' bytes
-            blk = int(resident[b, pg])
-            if blk >= 0:
-                for off in range(page_size):
-                    device_kv[blk * page_size + off] = host_kv[case.host_row(b, pg * page_size + off)]
+        q = slot_pos[s].long()  # hot slots hold their positions' bytes
+        held = q >= 0
+        hrow = host_table[b, q[held] // page_size].long() * page_size + q[held] % page_size
+        device_kv[slot_rows[b].long()[:h][held]] = host_kv[hrow]
+        res_pages = (resident[b] >= 0).nonzero().flatten()  # resident pages hold theirs too
+        if res_pages.numel():
+            off = torch.arange(page_size)
+            pos = (res_pages[:, None] * page_size + off).flatten()
+            drow = (resident[b, res_pages].long()[:, None] * page_size + off).flatten()
+            device_kv[drow] = host_kv[host_table[b, pos // page_size].long() * page_size + pos % page_size]
     case.write_newest()
     return case
 
