@@ -142,3 +142,13 @@ class MessageTooLargeError(ChannelError, ValueError):
         self.args = (nbytes, max_bytes, channel)
         self.nbytes, self.max_bytes = nbytes, max_bytes
 
+
+class InvalidRequestError(HiSparseError, ValueError):
+    """A request's own values are invalid (empty prompt, max_new_tokens < 1, non-integer tokens)."""
+
+    def __init__(self, request_id: Any, reason: str) -> None:
+        super().__init__(request_id, reason)
+        self.request_id, self.reason = request_id, reason
+
+    def __str__(self) -> str:
+        return f"invalid request {self.request_id!r}: {self.reason}"

@@ -109,3 +109,91 @@ class StepReport:
     sampled: tuple[tuple[RequestId, int], ...] = ()
     hot_hits: int = 0
     hot_misses: int = 0
+
+
+# --- Coordinator-facing values (added by the core; additive) ------------------------------------
+
+
+class RequestState(enum.Enum):
+    """Lifecycle of a request in the coordinator: WAITING -> LANDING -> RUNNING -> FINISHED ->
+    RELEASED. FINISHED still holds leases while transfers (or an in-flight step) of the request are
+    outstanding; RELEASED holds nothing."""
+
+    WAITING = "waiting"  # admission did not fit yet; the landing target is already chosen
+    LANDING = "landing"  # leases handed out, the prefill path is writing the landing plan
+    RUNNING = "running"  # landed; takes part in decode batches
+    FINISHED = "finished"  # done or aborted; draining in-flight transfers
+    RELEASED = "released"  # every lease returned
+
+
+@dataclass(frozen=True, slots=True)
+class LandingPage:
+    """Destination of one page of an admitted prefix.
+
+    host_block / device_block: HostBlockId / DeviceBlockId or NO_BLOCK (exactly one is set).
+    reused: True when the page needs no landing (a published host page matched the prefix; for a
+        resident target the coordinator restores it into ``device_block`` itself).
+    """
+
+    page: int
+    host_block: int
+    device_block: int
+    reused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Landing plan of an admitted request: write KV of positions ``0..num_positions-1`` into the
+    non-reused pages, then call ``Coordinator.apply_landed``.
+
+    pages: one entry per page ``0..ceil((num_positions + 1) / page_size) - 1`` (the last may hold
+        only the position the first decode step writes).
+    hot_blocks: device blocks of the hot buffer (host target), () for a resident target.
+    """
+
+    request_id: RequestId
+    target: LandingTarget
+    num_positions: int
+    pages: tuple[LandingPage, ...]
+    hot_blocks: tuple[DeviceBlockId, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """Read-only snapshot of one request for callers (``Coordinator.view``)."""
+
+    request_id: RequestId
+    state: RequestState
+    target: LandingTarget
+    tier: LandingTarget  # current tier (a resident request may have been converted to host)
+    tokens: tuple[int, ...]  # prompt + sampled tokens
+    prompt_len: int
+    num_generated: int
+    finish_reason: str | None = None  # "length", "eos", "abort", "landing_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorCounters:
+    """Metrics snapshot of the coordinator (hot hits/misses are the worker's, not counted here)."""
+
+    steps: int = 0
+    admitted: int = 0
+    waiting: int = 0
+    running: int = 0
+    finished: int = 0
+    spills: int = 0  # completed SPILL page transfers
+    restores: int = 0  # completed RESTORE page transfers
+    backups: int = 0  # completed newest-row backups
+    spill_bytes: int = 0
+    restore_bytes: int = 0
+    backup_bytes: int = 0
+    conversions_to_host: int = 0
+    prefix_hit_pages: int = 0
+    published_pages: int = 0
+    evictions: int = 0
+    stalls: int = 0  # batch slots skipped because a pool had no block for the next page
+    device_blocks_total: int = 0
+    device_blocks_used: int = 0
+    host_blocks_total: int = 0
+    host_blocks_used: int = 0  # referenced or pinned host blocks
+    host_blocks_cached: int = 0  # published, unreferenced (evictable) host blocks

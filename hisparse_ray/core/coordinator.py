@@ -1,0 +1,449 @@
+"""The coordinator state machine: admission, decode steps, reports, finishing (pure ring).
+
+Synchronous and deterministic; it never awaits and never calls another actor. Commands leave
+through ``take_commands()`` (and ``admit``/``poll_waiting`` landing plans), feedback enters through
+``apply_*``. Every public method validates its input before changing anything: bad input raises a
+typed error from :mod:`hisparse_ray.errors` and leaves the state unchanged.
+
+Request lifecycle: admit -> WAITING | LANDING -> apply_landed -> RUNNING -> (max_new_tokens, eos or
+finish) -> FINISHED (draining in-flight transfers and the in-flight step) -> RELEASED -> free.
+
+Sequence bookkeeping: a prompt of P tokens lands the KV of positions ``0..P-2``; the first decode
+step feeds ``prompt[P-1]`` with ``seq_len = P`` and samples the first new token. Each step with
+``seq_len = n`` writes position ``n-1``; a request therefore writes ``P + max_new_tokens - 1``
+positions over its life.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hisparse_ray.core.config import CoordinatorConfig
+from hisparse_ray.core.device_pool import HOT_GROUP
+from hisparse_ray.core.invariants import check_coordinator
+from hisparse_ray.core.prefix_index import chain_keys
+from hisparse_ray.core.request import Conversion, Page, Request, TransferOp
+from hisparse_ray.core.residency import Residency
+from hisparse_ray.errors import (
+    CapacityError, DoubleFreeError, DuplicateRequestError, InvalidRequestError, StateError,
+    UnknownRankError, UnknownRequestError, UnknownTransferError,
+)
+from hisparse_ray.types import (
+    NO_BLOCK, Admission, Backup, BatchRow, CoordinatorCounters, LandingPage, LandingTarget,
+    PageTransfer, Rank, RequestId, RequestState, RequestView, StepCommand, StepReport,
+    TableDiff, TransferKind, TransferId,
+)
+
+_MAX_TOKEN = 1 << 63
+_KIND = {TransferOp.SPILL: TransferKind.SPILL, TransferOp.RESTORE: TransferKind.RESTORE}
+
+
+class Coordinator:
+    """Owns host block ids, prefix identity, device leases and the residency state machine.
+
+    Landing target (chosen once, at the first admission attempt): RESIDENT if every page of
+    positions ``0..P-1`` fits the free device pool now; else HOST if a hot buffer and the host
+    pages (beyond the matched prefix) fit now; else the request waits with RESIDENT when its whole
+    life fits the device pool, HOST otherwise, and keeps that choice across retries.
+
+    Waiting requests are retried in FIFO order by :meth:`poll_waiting` (a new request waits
+    behind earlier waiting ones). Under device pressure (a waiting admission, or a resident request
+    needing a page) one resident request at a time is converted to the host tier.
+    """
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.res = Residency(config)
+        self.host, self.device, self.book = self.res.host, self.res.device, self.res.book
+        self._requests: dict[RequestId, Request] = {}
+        self._waiting: list[RequestId] = []
+        self._freed: set[RequestId] = set()
+        self._released: list[RequestId] = []
+        self._step = 0
+
+    # -- admission ---------------------------------------------------------------------------------
+    def admit(self, request_id: RequestId, prompt_tokens: Sequence[int], max_new_tokens: int,
+              eos_token_id: int | None = None) -> Admission | None:
+        """Admit a request; returns its landing plan, or None when it waits (see class doc).
+
+        Raises DuplicateRequestError, InvalidRequestError, or CapacityError when the request
+        could never fit (its life exceeds the device pool and host tier alike)."""
+        if request_id in self._requests:
+            raise DuplicateRequestError(request_id)
+        tokens = self._validate(request_id, prompt_tokens, max_new_tokens, eos_token_id)
+        cfg = self.config
+        life = cfg.pages_for(len(tokens) + max_new_tokens - 1)
+        resident_ever = life <= cfg.num_device_blocks
+        host_ever = life <= cfg.num_host_blocks
+        if not (resident_ever or host_ever):
+            raise CapacityError("request pages", life, max(cfg.num_device_blocks, cfg.num_host_blocks))
+        req = Request(RequestId(request_id), tokens, len(tokens), max_new_tokens, eos_token_id,
+                      LandingTarget.RESIDENT, LandingTarget.RESIDENT)
+        req.written = len(tokens) - 1
+        matched = self._match(req)
+        if not self._waiting and self._fits(req, LandingTarget.RESIDENT, matched):
+            target = LandingTarget.RESIDENT
+        elif not self._waiting and host_ever and self._fits(req, LandingTarget.HOST, matched):
+            target = LandingTarget.HOST
+        else:
+            target = LandingTarget.RESIDENT if resident_ever else LandingTarget.HOST
+            req.target = req.tier = target
+            self._record(req)
+            self._waiting.append(req.rid)
+            self.res.stats["waited"] += 1
+            self._relieve(req)
+            return None
+        req.target = req.tier = target
+        self._record(req)
+        return self._land(req, matched)
+
+    def _record(self, req: Request) -> None:
+        self._requests[req.rid] = req
+        self._freed.discard(req.rid)
+
+    def poll_waiting(self) -> tuple[Admission, ...]:
+        """Retry waiting requests in FIFO order with their kept target; stops at the first that
+        still does not fit (and relieves device pressure for it)."""
+        out: list[Admission] = []
+        while self._waiting:
+            req = self._requests[self._waiting[0]]
+            matched = self._match(req)
+            if not self._fits(req, req.target, matched):
+                self._relieve(req)
+                break
+            self._waiting.pop(0)
+            out.append(self._land(req, matched))
+        return tuple(out)
+
+    def _validate(self, rid, prompt, max_new, eos) -> list[int]:
+        if not isinstance(rid, str):
+            raise InvalidRequestError(rid, "request id must be a str")
+        tokens = list(prompt)
+        if not tokens:
+            raise InvalidRequestError(rid, "prompt must hold at least one token")
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _MAX_TOKEN:
+                raise InvalidRequestError(rid, f"token {t!r} is not an int in [0, 2**63)")
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise InvalidRequestError(rid, f"max_new_tokens={max_new!r} must be an int >= 1")
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+            raise InvalidRequestError(rid, f"eos_token_id={eos!r} must be an int or None")
+        return tokens
+
+    def _match(self, req: Request) -> list:
+        """Published host blocks of the longest matching run of full landed pages."""
+        return self.host.index.match(chain_keys(req.tokens[:req.prompt_len - 1], self.config.page_size))
+
+    def _fits(self, req: Request, target: LandingTarget, matched: list) -> bool:
+        n0 = self.config.pages_for(req.prompt_len)
+        if target is LandingTarget.RESIDENT:
+            return self.device.num_free >= n0
+        if self.device.num_free < self.config.hot_blocks_per_request:
+            return False
+        reusable_cached = sum(1 for b in matched if self.host.is_cached(b))
+        return self.host.available() - reusable_cached >= n0 - len(matched)
+
+    def _land(self, req: Request, matched: list) -> Admission:
+        cfg = self.config
+        n0 = cfg.pages_for(req.prompt_len)
+        for b in matched:
+            self.host.acquire(b)
+        self.res.stats["prefix_hit_pages"] += len(matched)
+        if req.target is LandingTarget.RESIDENT:
+            blocks = self.device.lease(n0, req.rid)
+            assert blocks is not None
+            req.pages = [Page(device=d) for d in blocks]
+            for i, b in enumerate(matched):
+                req.pages[i].host, req.pages[i].reused, req.pages[i].host_rows = b, True, cfg.page_size
+            if matched:
+                self.res.start_restore(req, list(range(len(matched))))
+        else:
+            fresh = self.host.allocate(n0 - len(matched))
+            hot = self.device.lease(cfg.hot_blocks_per_request, req.rid, HOT_GROUP)
+            assert fresh is not None and hot is not None
+            req.pages = [Page(host=b, reused=True, host_rows=cfg.page_size) for b in matched]
+            req.pages += [Page(host=b) for b in fresh]
+            req.hot = list(hot)
+        req.state = RequestState.LANDING
+        self.res.stats["admitted"] += 1
+        pages = tuple(LandingPage(i, *p.entry(), reused=p.reused) if req.target is LandingTarget.HOST
+                      else LandingPage(i, NO_BLOCK, p.entry()[1], reused=p.reused)
+                      for i, p in enumerate(req.pages))
+        return Admission(req.rid, req.target, req.prompt_len - 1, pages, tuple(req.hot))
+
+    def apply_landed(self, request_id: RequestId) -> None:
+        """The prefill path wrote every non-reused page: host pages become valid (full ones are
+        published) and the request joins decode batches (once admission restores completed)."""
+        req = self._get(request_id, RequestState.LANDING)
+        landed = req.prompt_len - 1
+        for i, page in enumerate(req.pages):
+            if page.host is not None and not page.reused:
+                page.host_rows = max(0, min(self.config.page_size, landed - i * self.config.page_size))
+                self.res.publish_if_full(req, i)
+        req.state = RequestState.RUNNING
+
+    def apply_landing_failed(self, request_id: RequestId) -> None:
+        """The landing failed: the request finishes and frees every lease it held (after any
+        admission restore in flight completes)."""
+        req = self._get(request_id, RequestState.LANDING)
+        self._finish(req, "landing_failed")
+
+    # -- decode steps ------------------------------------------------------------------------------
+    def take_commands(self) -> tuple[StepCommand, ...]:
+        """Build the next step: one command per TP rank (identical except ``rank``), or () when
+        there is nothing to send. Eligible requests: RUNNING, stable tier, no page transfer in
+        flight, previous token sampled; admission order, at most ``max_batch``."""
+        cfg, res = self.config, self.res
+        step = self._step + 1
+        for req in self._requests.values():
+            if req.conversion is Conversion.HOT:
+                res.finish_hot(req)
+        batch: list[BatchRow] = []
+        backups: list[Backup] = []
+        for req in self._requests.values():
+            if len(batch) >= cfg.max_batch:
+                break
+            if not self._eligible(req):
+                continue
+            pos = req.written
+            i = pos // cfg.page_size
+            if i == len(req.pages):
+                if req.tier is LandingTarget.RESIDENT:
+                    got = self.device.lease(1, req.rid)
+                    if got is None:
+                        res.stats["stalls"] += 1
+                        self._relieve(req)
+                        continue
+                    req.pages.append(Page(device=got[0]))
+                else:
+                    hb = self.host.allocate(1)
+                    if hb is None:
+                        res.stats["stalls"] += 1
+                        continue
+                    req.pages.append(Page(host=hb[0]))
+            if req.tier is LandingTarget.HOST:
+                p = res.emit_backup(req, i)
+                backups.append(Backup(p.tid, req.rid, pos, p.host_block, pos % cfg.page_size))
+            batch.append(BatchRow(req.rid, pos + 1, req.tokens[pos],
+                                  tuple(req.hot) if req.tier is LandingTarget.HOST else ()))
+            req.written += 1
+            req.awaiting_step = step
+        transfers = tuple(PageTransfer(p.tid, _KIND[p.kind], p.device_block, p.host_block)
+                          for p in res.outbox)
+        res.outbox.clear()
+        diffs: list[TableDiff] = []
+        for req in self._requests.values():
+            if req.state in (RequestState.WAITING, RequestState.RELEASED):
+                continue
+            for i, page in enumerate(req.pages):
+                e = page.entry()
+                if req.sent.get(i) != e:
+                    diffs.append(TableDiff(req.rid, i, e[0], e[1]))
+                    req.sent[i] = e
+        released = tuple(self._released)
+        self._released.clear()
+        if not (batch or transfers or diffs or released):
+            return ()
+        self._step = step
+        res.stats["steps"] += 1
+        return tuple(StepCommand(step, Rank(r), tuple(batch), tuple(diffs), transfers,
+                                 tuple(backups), released) for r in range(cfg.tp_size))
+
+    def _eligible(self, req: Request) -> bool:
+        return (req.state is RequestState.RUNNING and req.conversion is None
+                and req.awaiting_step is None
+                and all(self.book.pending[t].kind is TransferOp.BACKUP for t in req.in_flight))
+
+    def _relieve(self, needy: Request) -> None:
+        """Device pressure: convert one resident request to the host tier, unless a conversion is
+        already in flight. Victim: the stable resident request with the most pages whose
+        conversion frees blocks (the needy request itself qualifies if it frees none but stops
+        needing new device pages)."""
+        if any(r.conversion in (Conversion.SPILL, Conversion.HOT) for r in self._requests.values()):
+            return
+        hot_n = self.config.hot_blocks_per_request
+        best, best_gain = None, -1
+        for req in self._requests.values():
+            if not (self._eligible(req) and req.tier is LandingTarget.RESIDENT and not req.in_flight):
+                continue
+            if self.config.pages_for(req.lifetime_positions) > self.config.num_host_blocks:
+                continue
+            if len(req.pages) > self.host.available():
+                continue
+            gain = len(req.pages) - hot_n
+            if (gain > 0 or (req is needy and gain == 0)) and gain > best_gain:
+                best, best_gain = req, gain
+        if best is not None:
+            self.res.start_spill(best)
+
+    # -- reports -----------------------------------------------------------------------------------
+    def apply_report(self, report: StepReport) -> None:
+        """Apply one rank's report. A transfer's enqueued/completed action runs once every rank
+        acknowledged it; sampled tokens (rank 0 only) are appended to requests of ``report.step``.
+        Reports may arrive in any order and a rank may report one step several times."""
+        self._check_report(report)
+        rank = report.rank
+        touched: dict[TransferId, None] = {}
+        for tid in (*report.enqueued, *report.completed):
+            self.book.pending[tid].enqueued.add(rank)
+            touched[tid] = None
+        for tid in report.completed:
+            self.book.pending[tid].completed.add(rank)
+        affected: dict[RequestId, Request] = {}
+        for tid in touched:
+            p = self.book.pending[tid]
+            req = self._requests[p.rid]
+            affected[req.rid] = req
+            if not p.enqueue_applied and self.book.all_enqueued(p):
+                p.enqueue_applied = True
+                self.res.on_enqueued(p, req)
+            if self.book.all_completed(p):
+                self.res.on_completed(p, req)
+                self.book.retire(tid)
+                req.in_flight.discard(tid)
+        for rid, tok in report.sampled:
+            req = self._requests[rid]
+            affected[rid] = req
+            req.awaiting_step = None
+            if req.state is not RequestState.RUNNING:
+                continue  # aborted while its step was in flight: the token is dropped
+            req.tokens.append(tok)
+            if req.num_generated >= req.max_new_tokens:
+                self._finish(req, "length")
+            elif req.eos_token_id is not None and tok == req.eos_token_id:
+                self._finish(req, "eos")
+        for req in affected.values():
+            self._drain(req)
+
+    def _check_report(self, report: StepReport) -> None:
+        rank, tp = report.rank, self.config.tp_size
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
+            raise UnknownRankError(rank, tp)
+        if not 1 <= report.step <= self._step:
+            raise StateError(f"report for step {report.step}; steps emitted so far: 1..{self._step}")
+        for name, ids in (("enqueued", report.enqueued), ("completed", report.completed)):
+            if len(set(ids)) != len(ids):
+                raise StateError(f"rank {rank} lists a transfer twice in {name}")
+            for tid in ids:
+                p = self.book.pending.get(tid)
+                if p is None:
+                    raise UnknownTransferError(tid)
+                if rank in (p.enqueued if name == "enqueued" else p.completed):
+                    raise StateError(f"rank {rank} already acknowledged transfer {tid} {name}")
+        if report.sampled and rank != 0:
+            raise StateError(f"sampled tokens come from rank 0 only, got them from rank {rank}")
+        seen: set = set()
+        for rid, tok in report.sampled:
+            req = self._requests.get(rid)
+            if req is None:
+                raise UnknownRequestError(rid)
+            if rid in seen or req.awaiting_step != report.step:
+                raise StateError(f"request {rid!r} has no token due for step {report.step}")
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < _MAX_TOKEN:
+                raise InvalidRequestError(rid, f"sampled token {tok!r} is not an int in [0, 2**63)")
+            seen.add(rid)
+
+    # -- finishing ---------------------------------------------------------------------------------
+    def finish(self, request_id: RequestId) -> None:
+        """Abort a request (any state before FINISHED); leases are freed once nothing of it is in
+        flight."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(request_id)
+        if req.state in (RequestState.FINISHED, RequestState.RELEASED):
+            raise StateError(f"request {request_id!r} already finished")
+        self._finish(req, "abort")
+
+    def free(self, request_id: RequestId) -> None:
+        """Forget a finished request (now if RELEASED, else once it is). DoubleFreeError for a
+        second free, StateError for a request not finished yet."""
+        req = self._requests.get(request_id)
+        if req is None:
+            if request_id in self._freed:
+                raise DoubleFreeError("request", request_id)
+            raise UnknownRequestError(request_id)
+        if req.forget_when_released:
+            raise DoubleFreeError("request", request_id)
+        if req.state not in (RequestState.FINISHED, RequestState.RELEASED):
+            raise StateError(f"request {request_id!r} is {req.state.value}; finish it first")
+        req.forget_when_released = True
+        self._drain(req)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.state is RequestState.WAITING:
+            self._waiting.remove(req.rid)
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        self._drain(req)
+
+    def _drain(self, req: Request) -> None:
+        if req.state is RequestState.FINISHED and not req.in_flight and req.awaiting_step is None:
+            self.res.release_all(req)
+            req.state = RequestState.RELEASED
+            self.res.stats["finished"] += 1
+            if req.sent:
+                self._released.append(req.rid)
+        if (req.state is RequestState.RELEASED and req.forget_when_released
+                and self._requests.get(req.rid) is req):
+            del self._requests[req.rid]
+            self._freed.add(req.rid)
+
+    # -- restore policy ------------------------------------------------------------------------------
+    def restore(self, request_id: RequestId) -> bool:
+        """Move a stable host-tier request back to resident pages. False (nothing changed) when
+        the device pool cannot hold every page now; StateError when it is not stable host tier."""
+        req = self._get(request_id, RequestState.RUNNING)
+        if req.tier is not LandingTarget.HOST or not self._eligible(req) or req.in_flight:
+            raise StateError(f"request {request_id!r} is not a stable host-tier request")
+        blocks = self.device.lease(len(req.pages), req.rid)
+        if blocks is None:
+            return False
+        for page, d in zip(req.pages, blocks):
+            page.device = d
+        self.res.start_restore(req, list(range(len(req.pages))))
+        return True
+
+    # -- views -------------------------------------------------------------------------------------
+    def _get(self, request_id: RequestId, state: RequestState) -> Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(request_id)
+        if req.state is not state:
+            raise StateError(f"request {request_id!r} is {req.state.value}, expected {state.value}")
+        return req
+
+    def view(self, request_id: RequestId) -> RequestView:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(request_id)
+        return RequestView(req.rid, req.state, req.target, req.tier, tuple(req.tokens),
+                           req.prompt_len, req.num_generated, req.finish_reason)
+
+    def request_ids(self) -> tuple[RequestId, ...]:
+        return tuple(self._requests)
+
+    @property
+    def step(self) -> int:
+        """Number of the last emitted step (0 before the first)."""
+        return self._step
+
+    @property
+    def counters(self) -> CoordinatorCounters:
+        s = self.res.stats
+        states = [r.state for r in self._requests.values()]
+        return CoordinatorCounters(
+            steps=s["steps"], admitted=s["admitted"], waiting=len(self._waiting),
+            running=states.count(RequestState.RUNNING), finished=s["finished"],
+            spills=s["spills"], restores=s["restores"], backups=s["backups"],
+            spill_bytes=s["spill_bytes"], restore_bytes=s["restore_bytes"],
+            backup_bytes=s["backup_bytes"], conversions_to_host=s["conversions_to_host"],
+            prefix_hit_pages=s["prefix_hit_pages"], published_pages=s["published_pages"],
+            evictions=self.host.evictions, stalls=s["stalls"],
+            device_blocks_total=self.device.num_blocks, device_blocks_used=self.device.num_used,
+            host_blocks_total=self.host.num_blocks, host_blocks_used=self.host.num_used,
+            host_blocks_cached=self.host.num_cached,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any coordinator, pool or transfer invariant is broken."""
+        check_coordinator(self)

@@ -1,0 +1,17 @@
+"""The pure core imports only the standard library (and the pure wire/config/error modules)."""
+
+import json
+import subprocess
+import sys
+
+FORBIDDEN = ("torch", "ray", "cupy", "nixl", "numpy")
+
+
+def test_core_imports_no_heavy_packages():
+    code = (
+        "import sys, json\n"
+        "import hisparse_ray.core, hisparse_ray.core.random_driver, hisparse_ray.types\n"
+        f"print(json.dumps(sorted(m for m in {FORBIDDEN!r} if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
