@@ -1,0 +1,234 @@
+"""DecodeWorker (ring 3): one TP rank of a decode replica. Owns its model shard, runtime and NIXL
+agent; rank 0 also creates the shared host pool and the landing staging pool. Executes the
+coordinator's StepCommands received over a shared-memory channel on a step thread. Plain class;
+made remote in :mod:`hisparse_ray.actors.launch`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from hisparse_ray.actors import tp
+from hisparse_ray.actors.landing import RankEndpoint
+from hisparse_ray.actors.spec import ReplicaSpec
+from hisparse_ray.channel import ChannelPair, ChannelSpec
+from hisparse_ray.errors import ChannelClosedError, ChannelPeerLostError, ChannelTimeoutError, StateError
+from hisparse_ray.hostpool import HostPool
+from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
+
+POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle
+
+
+class DecodeWorker:
+    """One TP rank. Lifecycle (driven by the launcher, in order): ``rendezvous`` (rank 0) ->
+    ``join_tp`` (all ranks at once) -> ``create_host_pool`` (rank 0) / ``attach_host_pool`` (peers)
+    -> ``build`` -> ``endpoint`` -> ``attach_channel`` (starts the step thread) -> landings and steps
+    -> ``shutdown``.
+
+    Threading: the step thread and Ray method calls (landing, stats) share the executor under one
+    lock, so a landing is installed between two steps, never inside one.
+    """
+
+    def __init__(self, spec: ReplicaSpec, rank: int, engine: TransferEngine | None = None) -> None:
+        if not spec.use_cuda:
+            torch.set_num_threads(1)
+        self.spec, self.rank = spec, rank
+        self._engine = engine
+        self.pool: HostPool | None = None
+        self.executor: Any = None  # hisparse_ray.worker.HiSparseWorker
+        self.staging: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._channel: ChannelPair | None = None
+        self._error: BaseException | None = None
+        self.steps = 0
+        self.step_s = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def node_info(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
+                "ip": tp.node_ip()}
+
+    def rendezvous(self) -> tp.Rendezvous:
+        if self.rank != 0:
+            raise StateError("only rank 0 picks the TP rendezvous")
+        return tp.rendezvous_address(self.spec.tp_size, self.spec.use_cuda)
+
+    def join_tp(self, rdv: tp.Rendezvous) -> None:
+        if self.spec.use_cuda:
+            torch.cuda.set_device(0)  # Ray exposes only this rank's GPU(s)
+        tp.init_tp_group(rdv, self.rank)
+
+    def check_tp(self) -> float:
+        """All-reduce (sum) of ``rank + 1`` over the group: a health check of the TP group."""
+        import torch.distributed as dist
+
+        t = torch.tensor([float(self.rank + 1)], device=self.spec.device)
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        return float(t.item())
+
+    def create_host_pool(self) -> str:
+        if self.rank != 0:
+            raise StateError("only rank 0 creates the host pool")
+        self.pool = HostPool.create(self.spec.replica_id, self.spec.layout, self.spec.num_host_blocks,
+                                    register_cuda=self.spec.use_cuda)
+        return self.pool.name
+
+    def attach_host_pool(self, name: str) -> None:
+        self.pool = HostPool.attach(name, register_cuda=self.spec.use_cuda)
+
+    def build(self) -> RankEndpoint:
+        """Model shard, runtime + step executor, NIXL regions; returns this rank's endpoint."""
+        from hisparse_ray.actors.executor import build_executor
+
+        if self.pool is None:
+            raise StateError("build() before the host pool was created/attached")
+        self.executor = build_executor(self.spec, self.rank, self.pool)
+        self.engine = self._engine or NixlTransferEngine(
+            f"decode-{self.spec.replica_id}-r{self.rank}-{os.getpid()}")
+        dev = [self.engine.register(f"dev.{l}", t) for l, t in enumerate(self.executor.device_layers)]
+        host: list = []
+        staging: list = []
+        if self.rank == 0:
+            host = [self.engine.register(f"host.{l}", self.pool.layer(l))
+                    for l in range(self.spec.layout.num_layers)]
+            if self.spec.staging_blocks:
+                rows = self.spec.staging_blocks * self.spec.page_size
+                self.staging = [torch.zeros(rows, self.spec.layout.bytes_per_token_layer,
+                                            dtype=torch.uint8, device=self.spec.device)
+                                for _ in range(self.spec.layout.num_layers)]
+                staging = [self.engine.register(f"stage.{l}", t) for l, t in enumerate(self.staging)]
+        import ray
+
+        self._endpoint = RankEndpoint(
+            self.rank, self.engine.name, self.engine.agent_metadata(),
+            ray.get_runtime_context().get_node_id(), tuple(host), tuple(dev), tuple(staging),
+            self.spec.staging_blocks if self.rank == 0 else 0)
+        return self._endpoint
+
+    def endpoint(self) -> RankEndpoint:
+        """This rank's endpoint (after ``build``); metadata taken after every region registered."""
+        if getattr(self, "_endpoint", None) is None:
+            raise StateError("endpoint() before build()")
+        return self._endpoint
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.engine.add_peer(metadata)
+
+    # -- landing ------------------------------------------------------------------------------------
+    def wait_notification(self, notif: bytes, timeout_s: float) -> None:
+        """Block until the landing WRITE tagged ``notif`` was announced to this rank's agent."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = self._notifs_seen()
+            if notif in seen:
+                seen.discard(notif)
+                return
+            if time.monotonic() >= deadline:
+                from hisparse_ray.errors import TransferTimeoutError
+
+                raise TransferTimeoutError(f"no landing notification {notif!r} on rank {self.rank} "
+                                           f"after {timeout_s} s")
+            time.sleep(1e-3)
+
+    def _notifs_seen(self) -> set:
+        seen = getattr(self, "_seen", None)
+        if seen is None:
+            seen = self._seen = set()
+        for _, msg in self.engine.take_notifications():
+            seen.add(msg)
+        return seen
+
+    def unstage(self, pairs: list[tuple[int, int]], num_positions: int,
+                pages: list[int]) -> None:
+        """Rank 0: copy staging blocks into host blocks, ``pairs[i] = (staging block, host
+        block)`` for request page ``pages[i]`` (rows clipped to ``num_positions``)."""
+        from hisparse_ray.actors.landing import page_positions
+
+        P = self.spec.page_size
+        with self._lock:
+            self.pool.begin_write()
+            try:
+                for (sb, hb), page in zip(pairs, pages):
+                    _, n = page_positions(page, P, num_positions)
+                    for l, stage in enumerate(self.staging):
+                        self.pool.layer(l)[hb * P: hb * P + n].copy_(stage[sb * P: sb * P + n])
+                if self.staging and self.staging[0].is_cuda:
+                    torch.cuda.synchronize()
+            finally:
+                self.pool.publish()
+
+    def install_landing(self, request_id: str, index_keys: Any, host_written: bool) -> None:
+        """The request's KV has landed: hand its indexer keys to the executor (and, rank 0 after a
+        direct host write, publish the host pool so peers see the pages)."""
+        with self._lock:
+            if host_written and self.rank == 0:
+                self.pool.begin_write()
+                self.pool.publish()
+            self.executor.install_landing(request_id, index_keys)
+
+    def drop_landing(self, request_id: str) -> None:
+        with self._lock:
+            self.executor.drop_landing(request_id)
+
+    # -- step loop ----------------------------------------------------------------------------------
+    def attach_channel(self, spec: tuple[ChannelSpec, ChannelSpec]) -> None:
+        """Attach the coordinator's channel pair and start the step thread."""
+        if self._thread is not None:
+            raise StateError(f"rank {self.rank} already runs a step thread")
+        self._channel = ChannelPair.attach(spec)
+        self._thread = threading.Thread(target=self._loop, name=f"step-r{self.rank}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        ch = self._channel
+        try:
+            while not self._stop.is_set():
+                try:
+                    cmd = ch.recv(timeout=POLL_S)
+                except ChannelTimeoutError:
+                    continue
+                t0 = time.perf_counter()
+                with self._lock:
+                    report = self.executor.execute(cmd)
+                self.step_s += time.perf_counter() - t0
+                self.steps += 1
+                ch.send(report, timeout=self.spec.step_timeout_s)
+        except (ChannelClosedError, ChannelPeerLostError):
+            pass
+        except BaseException as err:  # surfaced through stats(); the coordinator times out
+            self._error = err
+
+    def stats(self) -> dict:
+        out = {"rank": self.rank, "steps": self.steps, "step_s": self.step_s,
+               "error": repr(self._error) if self._error else None}
+        if self.executor is not None and hasattr(self.executor, "stats"):
+            out.update(self.executor.stats())
+        return out
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+        if self.pool is not None:
+            if self.pool.is_owner:
+                self.pool.destroy()
+            else:
+                self.pool.close()
+            self.pool = None
+        tp.destroy_tp_group()

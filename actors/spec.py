@@ -1,0 +1,132 @@
+"""What a decode replica and a prefill worker are built from (ring 3): frozen, picklable specs that
+the launcher hands to every actor, so that all of them derive the same model, layout and pool sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hisparse_ray.config import HiSparseConfig, KVLayout
+from hisparse_ray.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The model every actor of a deployment builds: the tiny built-in DSA model of ``kind`` with
+    random weights from ``seed`` (identical on every actor). ``dtype``: "float32" (CPU, tests) or
+    "bfloat16" (GPU)."""
+
+    kind: str = "deepseek_v32"
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError("dtype", self.dtype, "one of 'float32', 'bfloat16'")
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def dsa_config(self):
+        from hisparse_ray.model.config import tiny_config
+
+        return tiny_config(self.kind)
+
+    def build(self, device: str = "cpu"):
+        """The full (unsharded) model on ``device``; same weights wherever it is built."""
+        from hisparse_ray.model.model import build_tiny_model
+
+        return build_tiny_model(self.seed, self.kind, dtype=self.torch_dtype(), device=device)
+
+    def kv_layout(self, page_size: int) -> KVLayout:
+        """The KV row layout of this model: ``row_dim`` values of ``dtype`` per (token, layer)."""
+        cfg = self.dsa_config()
+        itemsize = 4 if self.dtype == "float32" else 2
+        return KVLayout(num_layers=cfg.num_hidden_layers, page_size=page_size,
+                        row_bytes=cfg.row_dim * itemsize)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """One decode replica: a coordinator and ``tp_size`` DecodeWorker ranks on one node.
+
+    num_device_blocks: device pool blocks per rank (MLA KV is replicated, so every rank has the
+        same pool). staging_blocks: bounded GPU staging pool for host landing (blocks of one page
+        in every layer) used when the prefill peer cannot write host memory natively.
+    gpus_per_rank: 0 on CPU; 0.5 puts both TP ranks on one GPU.
+    max_batch: most requests per decode step. step_timeout_s: how long the coordinator waits for a
+        rank's report before it declares the rank lost.
+    landing_attempts / landing_timeout_s: NIXL WRITE retries and per-attempt deadline.
+    """
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    hisparse: HiSparseConfig = field(default_factory=lambda: HiSparseConfig(
+        top_k=8, device_buffer_size=16, host_to_device_ratio=4, swap_in_block_size=64,
+        host_pool_gib=0.01))
+    page_size: int = 8
+    num_device_blocks: int = 64
+    staging_blocks: int = 16
+    tp_size: int = 2
+    max_batch: int = 16
+    gpus_per_rank: float = 0.0
+    cpus_per_rank: float = 0.5
+    step_timeout_s: float = 60.0
+    landing_attempts: int = 3
+    landing_timeout_s: float = 20.0
+    replica_id: str = "r0"
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError("tp_size", self.tp_size, "must be >= 1")
+        if self.page_size < 1:
+            raise ConfigError("page_size", self.page_size, "must be >= 1")
+        if self.num_device_blocks < 1:
+            raise ConfigError("num_device_blocks", self.num_device_blocks, "must be >= 1")
+        if self.staging_blocks < 0:
+            raise ConfigError("staging_blocks", self.staging_blocks, "must be >= 0")
+        if self.gpus_per_rank < 0 or self.cpus_per_rank < 0:
+            raise ConfigError("gpus_per_rank", self.gpus_per_rank, "resources must be >= 0")
+        if self.landing_attempts < 1:
+            raise ConfigError("landing_attempts", self.landing_attempts, "must be >= 1")
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.gpus_per_rank > 0
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.use_cuda else "cpu"
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.model.kv_layout(self.page_size)
+
+    @property
+    def num_host_blocks(self) -> int:
+        n = self.layout.host_blocks(self.hisparse.host_pool_gib)
+        if n < 1:
+            raise ConfigError("host_pool_gib", self.hisparse.host_pool_gib,
+                              f"must hold at least one host block ({self.layout.block_bytes} B)")
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpec:
+    """One prefill worker: the same model, on any node. ``max_prompt_tokens`` sizes its registered
+    send buffer (one prompt's KV, all layers)."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    max_prompt_tokens: int = 4096
+    gpus: float = 0.0
+    cpus: float = 0.5
+    name: str = "prefill0"
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.gpus > 0
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.use_cuda else "cpu"
