@@ -148,3 +148,67 @@ def attach_and_hold_process(name: str, queue) -> None:
     pool = HostPool.attach(name, register_cuda=False)
     queue.put(int(pool.layer(0).sum()))
     time.sleep(600)
+
+
+class PoolActor:
+    """A TP rank in a Ray actor: rank 0 creates the pool, peers attach (made remote by the tests)."""
+
+    def __init__(self) -> None:
+        self.pool: HostPool | None = None
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def create(self, replica_id: str, prefix: str, register_cuda: bool = False) -> str:
+        self.pool = HostPool.create(replica_id, LAYOUT, NUM_BLOCKS, register_cuda=register_cuda,
+                                    prefix=prefix)
+        return self.pool.name
+
+    def attach(self, name: str, register_cuda: bool = False) -> bool:
+        self.pool = HostPool.attach(name, register_cuda=register_cuda)
+        return True
+
+    def write(self, seed: int, gens: int, write_once: bool) -> int:
+        return run_writer(self.pool, seed, gens, write_once)
+
+    def read(self, seed: int, gens: int, write_once: bool) -> dict:
+        return run_reader(self.pool, seed, gens, write_once)
+
+    # --- GPU path: device pages spilled by rank 0, restored by a peer after the IPC event
+    def _device_layers(self, seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        shape = (NUM_BLOCKS * LAYOUT.page_size, LAYOUT.row_bytes)
+        return [torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).cuda()
+                for _ in range(LAYOUT.num_layers)]
+
+    def spill_and_publish(self, seed: int, pairs: list[tuple[int, int]]):
+        from hisparse_ray import copies
+
+        layers, side = self._device_layers(seed), torch.cuda.Stream()
+        torch.cuda._sleep(20_000_000)  # the copies (and the event) complete well after publish
+        for d, h in pairs:
+            copies.spill_page(layers, self.pool, d, h, side)
+        return self.pool.publish(side)
+
+    def restore_and_check(self, seed: int, pairs: list[tuple[int, int]], publication) -> int:
+        from hisparse_ray import copies
+
+        want = self._device_layers(seed)
+        got = [torch.zeros_like(t) for t in want]
+        side = torch.cuda.Stream()
+        self.pool.wait_published(publication.seq, stream=side, publication=publication)
+        for d, h in pairs:
+            copies.restore_page(got, self.pool, d, h, side)
+        side.synchronize()
+        bad = 0
+        for d, _ in pairs:
+            rows = slice(d * LAYOUT.page_size, (d + 1) * LAYOUT.page_size)
+            bad += sum(not torch.equal(g[rows], w[rows]) for g, w in zip(got, want))
+        return bad
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.destroy() if self.pool.is_owner else self.pool.close()
+            self.pool = None
