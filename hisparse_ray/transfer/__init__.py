@@ -1,0 +1,27 @@
+"""Transport for the actor system (adapter ring): KV WRITEs between processes over NIXL, plus an
+in-process loopback for unit tests. See ``base`` for the contract."""
+
+from hisparse_ray.transfer.base import (
+    MemKind,
+    RegionDesc,
+    TransferEngine,
+    WriteSegment,
+    XferState,
+    wait,
+    write_with_retry,
+)
+from hisparse_ray.transfer.loopback import LoopbackFabric, LoopbackTransferEngine
+from hisparse_ray.transfer.nixl_engine import NixlTransferEngine
+
+__all__ = [
+    "LoopbackFabric",
+    "LoopbackTransferEngine",
+    "MemKind",
+    "NixlTransferEngine",
+    "RegionDesc",
+    "TransferEngine",
+    "WriteSegment",
+    "XferState",
+    "wait",
+    "write_with_retry",
+]

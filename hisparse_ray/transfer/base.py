@@ -1,0 +1,150 @@
+"""The transfer-engine contract: registered regions, WRITE posts, states, notifications (adapter ring).
+
+Everything here is plain data or a ``Protocol``; the NIXL adapter and the in-process loopback both
+satisfy it, so code above (landing, spill) takes a ``TransferEngine`` and never imports NIXL.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from hisparse_ray.errors import TransferError, TransferTimeoutError
+
+
+class MemKind(enum.Enum):
+    """Where a registered region lives; the values are NIXL's memory-segment names."""
+
+    HOST = "DRAM"
+    DEVICE = "VRAM"
+
+
+class XferState(enum.Enum):
+    """State of a posted transfer as seen by its initiator (a failed one raises instead)."""
+
+    PENDING = "PROC"
+    DONE = "DONE"
+
+
+@dataclass(frozen=True, slots=True)
+class RegionDesc:
+    """A registered memory region, as its owner describes it to peers (picklable, plain ints).
+
+    agent: owning engine's agent name. name: the owner's label, unique per engine.
+    addr/nbytes: virtual address and byte length in the owner's process. device_id: CUDA device
+    ordinal for DEVICE, 0 for HOST. Offsets into a region are byte offsets in ``[0, nbytes)``.
+    """
+
+    agent: str
+    name: str
+    addr: int
+    nbytes: int
+    device_id: int
+    kind: MemKind
+
+    def check_span(self, offset: int, nbytes: int) -> None:
+        """Raise ``TransferError`` unless ``[offset, offset + nbytes)`` lies inside the region."""
+        if nbytes <= 0 or offset < 0 or offset + nbytes > self.nbytes:
+            raise TransferError(
+                f"span [{offset}, {offset + nbytes}) outside region {self.agent}/{self.name} "
+                f"of {self.nbytes} bytes"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class WriteSegment:
+    """Copy ``nbytes`` from local region ``local`` at ``local_offset`` to ``remote`` at
+    ``remote_offset``. All segments of one write target one peer agent."""
+
+    local: str
+    local_offset: int
+    nbytes: int
+    remote: RegionDesc
+    remote_offset: int
+
+
+@runtime_checkable
+class TransferEngine(Protocol):
+    """One agent in one process. Lifecycle: register regions -> export ``agent_metadata()`` (after
+    registering: metadata taken earlier does not know the regions) -> peers ``add_peer()`` it ->
+    ``post_write`` / ``poll`` / ``release`` -> ``deregister`` -> ``close``.
+
+    Invariants: a transfer id is live from ``post_write`` until ``release``; ``poll`` of a failed
+    transfer raises ``TransferError`` (and the id stays live until released); notifications are
+    delivered to the target once, in ``take_notifications``, as ``(sender agent, message)``.
+    """
+
+    name: str
+
+    def register(self, name: str, tensor: Any) -> RegionDesc: ...
+
+    def deregister(self, name: str) -> None: ...
+
+    def region(self, name: str) -> RegionDesc: ...
+
+    def agent_metadata(self) -> bytes: ...
+
+    def add_peer(self, metadata: bytes) -> str: ...
+
+    def remove_peer(self, peer: str) -> None: ...
+
+    def post_write(self, segments: Sequence[WriteSegment], notif: bytes = b"") -> int: ...
+
+    def poll(self, xfer_id: int) -> XferState: ...
+
+    def release(self, xfer_id: int) -> None: ...
+
+    def take_notifications(self) -> list[tuple[str, bytes]]: ...
+
+    def supports_direct_host_write(self, peer: str, source: MemKind = MemKind.DEVICE) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def wait(engine: TransferEngine, xfer_id: int, timeout_s: float, *, poll_sleep_s: float = 1e-4
+         ) -> None:
+    """Poll ``xfer_id`` until DONE; ``TransferError`` on failure, ``TransferTimeoutError`` after
+    ``timeout_s`` seconds. The id is left live (the caller releases it)."""
+    deadline = time.monotonic() + timeout_s
+    sleep = 0.0
+    while engine.poll(xfer_id) is not XferState.DONE:
+        if time.monotonic() >= deadline:
+            raise TransferTimeoutError(f"transfer {xfer_id} not done after {timeout_s:.3g} s")
+        time.sleep(sleep)
+        sleep = min(max(sleep * 2, 1e-5), poll_sleep_s)
+
+
+def write_with_retry(engine: TransferEngine, segments: Sequence[WriteSegment],
+                     notif: bytes = b"", *, attempts: int = 3, timeout_s: float = 10.0,
+                     request_id: Any = None) -> None:
+    """Post, wait and release one WRITE, re-posting it up to ``attempts`` times in total.
+
+    A WRITE is idempotent (same bytes to the same place), so re-posting after a failure is safe;
+    the notification may then arrive more than once and receivers must tolerate duplicates.
+    Raises the last ``TransferError`` (``TransferTimeoutError`` if the last attempt timed out),
+    tagged with ``request_id``.
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    last: TransferError | None = None
+    for attempt in range(attempts):
+        xfer_id = None
+        try:
+            xfer_id = engine.post_write(segments, notif)
+            wait(engine, xfer_id, timeout_s)
+            return
+        except TransferError as err:
+            last = err
+        finally:
+            if xfer_id is not None:
+                try:
+                    engine.release(xfer_id)
+                except TransferError:
+                    pass  # a stuck handle cannot be cancelled; the engine drops it on close
+    assert last is not None
+    msg = f"after {attempts} attempt(s): {last.message}"
+    if isinstance(last, TransferTimeoutError):
+        raise TransferTimeoutError(msg, request_id)
+    raise TransferError(msg, request_id)
