@@ -1,0 +1,90 @@
+"""Our lightning indexer vs HF's indexer module (same weights, fp32): same top-k sets.
+
+A set may differ only where HF's and our order break a tie of equal scores at the k-th place; the
+check accepts exactly that (every differing position has the k-th score) and nothing else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse_ray.model import build_tiny_model
+from hisparse_ray.model.indexer import select_topk
+
+from ._hf import as_sets, hf_to_ours, hf_twin
+
+KINDS = ["deepseek_v32", "glm_moe_dsa"]
+
+
+def _assert_same_sets(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor, k: int) -> None:
+    for s, (a, b) in enumerate(zip(as_sets(ours), as_sets(ref))):
+        if a == b:
+            continue
+        valid = scores[s][scores[s] > float("-inf")]
+        kth = valid.sort(descending=True).values[k - 1]
+        assert all(scores[s, p] == kth for p in a ^ b), f"query {s}: {sorted(a ^ b)} are not ties at {kth}"
+
+
+def _inputs(model, T: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(T, model.cfg.hidden_size, generator=gen)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_topk_matches_hf_indexer(kind):
+    model = build_tiny_model(seed=1, kind=kind)
+    hf = hf_twin(model)
+    cfg, T = model.cfg, 96
+    x = _inputs(model, T, seed=4)
+    pos = torch.arange(T)
+    for layer in cfg.indexer_layers:
+        attn = model.model.layers[layer].self_attn
+        hf_attn = hf.model.layers[layer].self_attn
+        with torch.no_grad():
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+            cos_sin = hf.model.rotary_emb(x[None], pos[None])
+            causal = torch.ones(1, T, T, dtype=torch.bool).tril()
+            ref = hf_attn.indexer(x[None], q_resid[None], cos_sin, causal, pos[None])[0]
+            cos, sin = model.rope.cos_sin(pos, model.dtype)
+            ours, keys = attn.indexer.prefill_topk(x, q_resid, cos, sin)
+            qi, w = attn.indexer.queries(x, q_resid, cos, sin)
+            scores = attn.indexer.scores(qi[None], w[None], keys[None])[0].masked_fill(~causal[0], float("-inf"))
+        assert ours.shape == (T, cfg.index_topk)
+        # Causality: never a future position; rows with < k visible keys select all of them.
+        assert bool((ours <= pos[:, None]).all())
+        assert all(len(s) == min(t + 1, cfg.index_topk) for t, s in enumerate(as_sets(ours)))
+        _assert_same_sets(ours, hf_to_ours(ref, cfg.index_topk, query_pos=pos), scores, cfg.index_topk)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_decode_topk_equals_last_row_of_prefill(kind):
+    """Decode query at n-1 selects over all of [0, n) incl. itself, as HF's last prompt row does;
+    batching rows of different n (keys padded) changes nothing."""
+    model = build_tiny_model(seed=2, kind=kind)
+    attn = model.model.layers[0].self_attn
+    lengths = [5, 40, 73]
+    xs = [_inputs(model, n, seed=n) for n in lengths]
+    with torch.no_grad():
+        rows, keys, q_rows = [], [], []
+        for x in xs:
+            pos = torch.arange(len(x))
+            cos, sin = model.rope.cos_sin(pos, model.dtype)
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+            topk, k = attn.indexer.prefill_topk(x, q_resid, cos, sin)
+            rows.append(topk[-1])
+            keys.append(torch.nn.functional.pad(k, (0, 0, 0, max(lengths) - len(x))))
+            q_rows.append((x[-1], q_resid[-1]))
+        n = torch.tensor(lengths)
+        cos, sin = model.rope.cos_sin(n - 1, model.dtype)
+        x_last = torch.stack([q[0] for q in q_rows])
+        qr_last = torch.stack([q[1] for q in q_rows])
+        got = attn.indexer.decode_topk(x_last, qr_last, cos, sin, torch.stack(keys), n)
+    assert as_sets(got) == as_sets(torch.stack(rows))
+    assert as_sets(got)[0] == set(range(5))  # n <= k: everything, the current position included
+
+
+def test_select_topk_pads_with_minus_one():
+    s = torch.tensor([[3.0, float("-inf"), 1.0], [0.5, 2.0, 1.0]])
+    got = select_topk(s, 4)
+    assert got.tolist() == [[0, 2, -1, -1], [1, 2, 0, -1]]
