@@ -1,0 +1,348 @@
+"""Coordinator rules, one test each, with literal expected values."""
+
+import pickle
+
+import pytest
+
+from hisparse_ray.core import Coordinator, CoordinatorConfig, chain_keys
+from hisparse_ray.errors import (
+    CapacityError, DoubleFreeError, DuplicateRequestError, InvalidRequestError, StateError,
+    UnknownRankError, UnknownRequestError, UnknownTransferError,
+)
+from hisparse_ray.types import (
+    NO_BLOCK, LandingTarget as T, RequestState as S, StepReport, TableDiff, TransferKind,
+)
+
+
+def make(dev=8, host=8, ps=2, H=1, tp=1, max_batch=8, **kw):
+    return Coordinator(CoordinatorConfig(num_device_blocks=dev, num_host_blocks=host, page_size=ps,
+                                         device_buffer_size=H, tp_size=tp, max_batch=max_batch, **kw))
+
+
+def tids(cmd):
+    return tuple(t.transfer_id for t in cmd.transfers) + tuple(b.transfer_id for b in cmd.backups)
+
+
+def ack(c, cmd, ranks=None, *, enqueued=False, sample=None, ids=None):
+    """Every rank in ``ranks`` acks ``ids`` (default: all of cmd's transfers) completed (or
+    enqueued); rank 0 also returns ``sample`` as every batch row's token."""
+    ids = tids(cmd) if ids is None else ids
+    for r in range(c.config.tp_size) if ranks is None else ranks:
+        sampled = tuple((row.request_id, sample) for row in cmd.batch) if r == 0 and sample is not None else ()
+        c.apply_report(StepReport(cmd.step, r, enqueued=ids if enqueued else (),
+                                  completed=() if enqueued else ids, sampled=sampled))
+    c.check_invariants()
+
+
+def step(c, sample=7):
+    (cmd, *_) = c.take_commands()
+    ack(c, cmd, sample=sample)
+    return cmd
+
+
+def snapshot(c):
+    return (c.counters, c.step, tuple(c.view(r) for r in c.request_ids()), len(c.book.pending),
+            c.host.available(), c.device.num_free)
+
+
+# -- admission -----------------------------------------------------------------------------------
+def test_resident_target_when_prefix_fits_device_pool():
+    c = make(dev=4)
+    adm = c.admit("a", [1, 2, 3, 4, 5], 3)
+    assert adm.target is T.RESIDENT and adm.num_positions == 4 and adm.hot_blocks == ()
+    assert [(p.page, p.host_block, p.device_block, p.reused) for p in adm.pages] == [
+        (0, NO_BLOCK, 0, False), (1, NO_BLOCK, 1, False), (2, NO_BLOCK, 2, False)]
+    assert c.counters.device_blocks_used == 3
+    c.check_invariants()
+
+
+def test_host_target_when_device_is_short_but_hot_buffer_fits():
+    c = make(dev=4)
+    c.admit("a", [1, 2, 3, 4, 5], 3)  # 3 of 4 device blocks
+    adm = c.admit("b", [9, 9, 9, 9, 9], 3)
+    assert adm.target is T.HOST and adm.hot_blocks == (3,)
+    assert [(p.host_block, p.device_block) for p in adm.pages] == [(0, -1), (1, -1), (2, -1)]
+    assert (c.counters.device_blocks_used, c.counters.host_blocks_used) == (4, 3)
+    c.check_invariants()
+
+
+def test_waiting_request_keeps_its_target_across_retries():
+    c = make(dev=4)
+    c.admit("a", [1, 2, 3, 4, 5], 3)
+    c.admit("b", [9, 9, 9, 9, 9], 3)
+    assert c.admit("c", [5, 5, 5], 2) is None  # nothing free: waits, life fits the device pool
+    v = c.view("c")
+    assert (v.state, v.target) == (S.WAITING, T.RESIDENT)
+    c.finish("b")  # frees 1 device block: the host tier would fit now, resident (2 pages) not
+    assert c.poll_waiting() == ()
+    assert c.view("c").target is T.RESIDENT and c.counters.waiting == 1
+    c.finish("a")
+    (adm,) = c.poll_waiting()
+    assert (adm.request_id, adm.target, len(adm.pages)) == ("c", T.RESIDENT, 2)
+    c.check_invariants()
+
+
+def test_new_request_waits_behind_earlier_waiting_ones():
+    c = make(dev=4)
+    c.admit("a", [1, 2, 3, 4, 5, 6, 7], 3)  # 4 device blocks
+    assert c.admit("b", [1] * 9, 1) is None
+    assert c.admit("c", [2], 1) is None  # would fit the host tier? no: FIFO
+    assert [c.view(r).state for r in ("b", "c")] == [S.WAITING, S.WAITING]
+
+
+def test_request_larger_than_every_pool_is_refused_with_state_unchanged():
+    c = make(dev=4, host=8)
+    before = snapshot(c)
+    with pytest.raises(CapacityError) as e:
+        c.admit("big", [1], 40)  # 40 positions = 20 pages
+    assert (e.value.needed, e.value.total) == (20, 8)
+    assert snapshot(c) == before
+    c.check_invariants()
+
+
+def test_duplicate_and_invalid_requests_raise_typed_errors():
+    c = make()
+    c.admit("a", [1, 2], 1)
+    before = snapshot(c)
+    with pytest.raises(DuplicateRequestError):
+        c.admit("a", [1], 1)
+    for args in (([], 1), ([1], 0), ([1, -1], 1), ([True], 1), ([1], 1.5)):
+        with pytest.raises(InvalidRequestError):
+            c.admit("x", *args)
+    assert snapshot(c) == before
+    e = InvalidRequestError("x", "why")
+    assert pickle.loads(pickle.dumps(e)).args == ("x", "why")
+
+
+# -- prefix reuse and publishing -----------------------------------------------------------------
+def test_second_request_with_same_prefix_gets_the_same_host_blocks():
+    c = make(dev=2, host=8)  # resident never fits 4 pages: host tier, hot buffer = 1 block
+    prompt = [4, 5, 6, 7, 8, 9, 1]
+    a = c.admit("a", prompt, 2)
+    assert a.target is T.HOST and [p.host_block for p in a.pages] == [0, 1, 2, 3]
+    c.apply_landed("a")  # positions 0..5 landed: pages 0, 1, 2 full
+    assert c.counters.published_pages == 3
+    b = c.admit("b", prompt, 2)
+    assert [(p.host_block, p.reused) for p in b.pages] == [(0, True), (1, True), (2, True), (4, False)]
+    assert c.counters.prefix_hit_pages == 3
+    assert [c.host.refs(i) for i in range(5)] == [2, 2, 2, 1, 1]
+    c.check_invariants()
+
+
+def test_landing_pages_are_published_only_on_apply_landed():
+    c = make(dev=2, host=8)
+    c.admit("a", [4, 5, 6], 1)
+    b = c.admit("b", [4, 5, 6], 1)
+    assert b is None or all(not p.reused for p in b.pages)
+    assert c.counters.prefix_hit_pages == 0
+
+
+def test_backup_page_is_published_only_after_every_rank_completed():
+    c = make(dev=1, host=8, ps=2, H=1, tp=2)  # hot buffer: ceil(2/2) = 1 block
+    adm = c.admit("a", [3, 4, 5], 3)
+    assert adm.target is T.HOST
+    c.apply_landed("a")  # positions 0, 1 landed: page 0 full and published
+    assert c.counters.published_pages == 1
+    step(c, sample=6)  # backs up position 2 into page 1
+    cmd0, _ = c.take_commands()
+    (bk,) = cmd0.backups
+    assert (bk.position, bk.host_block, bk.offset) == (3, 1, 1)
+    key = chain_keys([3, 4, 5, 6], 2)[1]
+    ack(c, cmd0, ranks=[0, 1], enqueued=True)
+    ack(c, cmd0, ranks=[0])
+    assert c.host.index.lookup(key) is None and c.counters.published_pages == 1
+    ack(c, cmd0, ranks=[1])
+    assert c.host.index.lookup(key) == 1 and c.counters.published_pages == 2
+    assert c.counters.backups == 2
+
+
+# -- steps and commands --------------------------------------------------------------------------
+def test_one_identical_command_per_rank_with_full_tables_first_then_diffs():
+    c = make(dev=8, tp=3)
+    c.admit("a", [1, 2, 3, 4], 3)
+    c.apply_landed("a")
+    cmds = c.take_commands()
+    assert [x.rank for x in cmds] == [0, 1, 2] and cmds[0].step == 1
+    assert {(x.batch, x.table_diffs, x.transfers, x.backups) for x in cmds} == {
+        (cmds[0].batch, cmds[0].table_diffs, (), ())}
+    row = cmds[0].batch[0]
+    assert (row.request_id, row.seq_len, row.input_token, row.hot_blocks) == ("a", 4, 4, ())
+    assert cmds[0].table_diffs == (TableDiff("a", 0, -1, 0), TableDiff("a", 1, -1, 1))
+    ack(c, cmds[0], sample=9)
+    (cmd, *_) = c.take_commands()  # position 4 needs page 2: one new diff only
+    assert cmd.table_diffs == (TableDiff("a", 2, -1, 2),)
+    assert (cmd.batch[0].seq_len, cmd.batch[0].input_token) == (5, 9)
+    assert c.view("a").tokens == (1, 2, 3, 4, 9)
+
+
+def test_nothing_to_send_gives_no_command_and_no_step():
+    c = make()
+    assert c.take_commands() == () and c.step == 0
+
+
+def test_request_finishes_at_max_new_tokens_or_eos_and_is_released_once():
+    c = make()
+    c.admit("a", [1, 2], 3)
+    c.admit("b", [1, 2], 5, eos_token_id=0)
+    c.apply_landed("a")
+    c.apply_landed("b")
+    step(c, sample=5)
+    step(c, sample=0)  # b hits eos
+    assert (c.view("b").state, c.view("b").finish_reason, c.view("b").num_generated) == (S.RELEASED, "eos", 2)
+    cmd = step(c, sample=6)
+    assert cmd.released == ("b",)
+    assert (c.view("a").state, c.view("a").finish_reason, c.view("a").tokens) == (
+        S.RELEASED, "length", (1, 2, 5, 0, 6))
+    assert c.counters.device_blocks_used == 0 and c.counters.finished == 2
+
+
+def test_max_batch_limits_rows_in_admission_order():
+    c = make(dev=8, max_batch=2)
+    for r in "abc":
+        c.admit(r, [1], 1)
+        c.apply_landed(r)
+    (cmd,) = c.take_commands()
+    assert [row.request_id for row in cmd.batch] == ["a", "b"]
+
+
+# -- spill, restore ------------------------------------------------------------------------------
+def _resident_full(tp=2):
+    c = make(dev=4, host=8, ps=2, H=1, tp=tp)
+    c.admit("a", [1, 2, 3, 4, 5, 6, 7, 8], 4)  # 4 pages = the whole device pool
+    c.apply_landed("a")
+    step(c, sample=9)  # writes position 7 (page 3)
+    return c
+
+
+def test_spill_before_free_releases_device_blocks_only_after_every_rank_enqueued():
+    c = _resident_full()
+    (cmd, _) = c.take_commands()  # position 8 needs a 5th page: convert a to the host tier
+    assert cmd.batch == () and c.counters.stalls == 1
+    assert [(t.kind, t.device_block, t.host_block) for t in cmd.transfers] == [
+        (TransferKind.SPILL, d, d) for d in range(4)]
+    ack(c, cmd, ranks=[0], enqueued=True)
+    assert c.device.num_free == 0 and all(c.device.pins(d) == 1 for d in range(4))
+    ack(c, cmd, ranks=[1], enqueued=True)
+    assert c.device.num_free == 3  # block 0 became a's hot buffer, 1..3 were released
+    assert c._requests["a"].hot == [0]
+    (nxt, _) = c.take_commands()
+    assert nxt.batch == ()  # spills not completed yet: a stays out of the batch
+    assert nxt.table_diffs == tuple(TableDiff("a", i, i, -1) for i in range(4))
+    ack(c, cmd)
+    assert (c.counters.spills, c.counters.published_pages, c.view("a").tier) == (4, 4, T.HOST)
+    (s3, _) = c.take_commands()
+    assert (s3.batch[0].seq_len, s3.batch[0].hot_blocks) == (9, (0,))
+    (bk,) = s3.backups
+    assert (bk.position, bk.host_block, bk.offset) == (8, 4, 0)
+
+
+def test_restore_moves_a_host_tier_request_back_to_resident_pages():
+    c = make(dev=8, host=8, ps=2, H=1, tp=2)
+    c.admit("f", [1] * 11, 1)  # 6 resident pages
+    adm = c.admit("a", [2, 3, 4], 3)  # resident needs 2, 2 left: resident
+    c.finish("a")
+    c.finish("f")
+    c.admit("f2", [1] * 13, 1)  # 7 pages
+    adm = c.admit("a2", [2, 3, 4, 5], 3)
+    assert adm.target is T.HOST
+    c.apply_landed("a2")
+    step(c)
+    assert c.restore("a2") is False  # 2 device pages needed, 0 free
+    c.finish("f2")
+    assert c.restore("a2") is True
+    (cmd, _) = c.take_commands()
+    assert [(t.kind, t.host_block) for t in cmd.transfers] == [(TransferKind.RESTORE, 0), (TransferKind.RESTORE, 1)]
+    with pytest.raises(StateError):
+        c.restore("a2")  # already converting
+    ack(c, cmd)
+    v = c.view("a2")
+    assert (v.tier, c.counters.restores, c._requests["a2"].hot) == (T.RESIDENT, 2, [])
+    assert c.counters.host_blocks_used == 0 and c.counters.host_blocks_cached == 2
+    (nxt, _) = c.take_commands()
+    assert nxt.batch[0].hot_blocks == () and nxt.backups == ()
+
+
+def test_resident_target_restores_a_matched_host_prefix():
+    c = make(dev=2, host=8)
+    c.admit("a", [4, 5, 6, 7, 8], 1)  # host tier: pages 0, 1 published on landing
+    c.apply_landed("a")
+    c.finish("a")
+    adm = c.admit("b", [4, 5, 6, 7, 8], 1)  # device now empty: 3 pages do not fit 2 -> host
+    assert adm.target is T.HOST and [p.reused for p in adm.pages] == [True, True, False]
+    c.finish("b")
+    c2 = make(dev=8, host=8)
+    c2.admit("h", [1] * 15, 1)  # 8 pages: fills device
+    c2.admit("a", [4, 5, 6, 7, 8], 1)  # waits (no hot buffer room) with target resident
+    c2.finish("h")
+    (adm,) = c2.poll_waiting()
+    assert adm.target is T.RESIDENT and [p.reused for p in adm.pages] == [False, False, False]
+
+
+# -- finishing, freeing, bad input -----------------------------------------------------------------
+def test_finish_with_transfers_in_flight_frees_leases_only_when_they_complete():
+    c = make(dev=2, host=8, tp=2)
+    assert c.admit("a", [1, 2, 3, 4, 5], 4).target is T.HOST
+    c.apply_landed("a")
+    (cmd, _) = c.take_commands()
+    c.finish("a")
+    c.free("a")  # forgotten once released
+    assert c.view("a").state is S.FINISHED and c.counters.device_blocks_used == 1
+    ack(c, cmd, ranks=[0], sample=3)  # token of the aborted step is dropped
+    assert c.view("a").tokens == (1, 2, 3, 4, 5) and c.counters.host_blocks_used == 3
+    ack(c, cmd, ranks=[1])
+    assert c.request_ids() == () and c.counters.device_blocks_used == 0
+    assert (c.counters.host_blocks_used, c.counters.host_blocks_cached) == (0, 2)
+    assert c.take_commands()[0].released == ("a",)
+    with pytest.raises(DoubleFreeError):
+        c.free("a")
+
+
+def test_free_rules():
+    c = make()
+    c.admit("a", [1, 2], 1)
+    with pytest.raises(StateError):
+        c.free("a")  # still landing
+    with pytest.raises(UnknownRequestError):
+        c.free("zz")
+    with pytest.raises(StateError):
+        c.restore("a")  # not running
+    c.apply_landing_failed("a")
+    assert (c.view("a").state, c.view("a").finish_reason) == (S.RELEASED, "landing_failed")
+    assert c.counters.device_blocks_used == 0
+    c.free("a")
+    with pytest.raises(DoubleFreeError):
+        c.free("a")
+    with pytest.raises(UnknownRequestError):
+        c.finish("a")  # forgotten
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("bad", ["rank", "tid", "dup", "sampled_rank", "not_due", "future", "twice"])
+def test_bad_reports_raise_and_leave_state_unchanged(bad):
+    c = make(dev=2, host=8, tp=2)
+    c.admit("a", [1, 2, 3, 4, 5], 4)
+    c.apply_landed("a")
+    (cmd, _) = c.take_commands()
+    (tid,) = tids(cmd)
+    c.apply_report(StepReport(1, 0, enqueued=(tid,)))
+    before = snapshot(c)
+    report, err = {
+        "rank": (StepReport(1, 2), UnknownRankError),
+        "tid": (StepReport(1, 0, completed=(999,)), UnknownTransferError),
+        "dup": (StepReport(1, 0, enqueued=(tid,)), StateError),
+        "sampled_rank": (StepReport(1, 1, sampled=(("a", 1),)), StateError),
+        "not_due": (StepReport(1, 0, sampled=(("zz", 1),)), UnknownRequestError),
+        "future": (StepReport(2, 0), StateError),
+        "twice": (StepReport(1, 1, completed=(tid, tid)), StateError),
+    }[bad]
+    with pytest.raises(err):
+        c.apply_report(report)
+    assert snapshot(c) == before
+    c.check_invariants()
+
+
+def test_unknown_request_ids_raise():
+    c = make()
+    for f in (c.finish, c.apply_landed, c.apply_landing_failed, c.restore, c.view):
+        with pytest.raises(UnknownRequestError):
+            f("nope")
