@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import pickle
 import struct
 import time
 import uuid
@@ -24,6 +23,7 @@ from hisparse_ray.errors import (
     ChannelTimeoutError,
     MessageTooLargeError,
 )
+from hisparse_ray.transfer.codec import Codec, WireCodec
 
 SHM_DIR = "/dev/shm"
 DEFAULT_PREFIX = "hsr-ch-"
@@ -55,7 +55,7 @@ class ChannelSpec:
 
 @dataclass(frozen=True, slots=True)
 class WaitPolicy:
-    """How a blocked ``send``/``recv`` waits: busy-spin for ``spin_s``, then ``sleep(0)`` yields
+    """How a blocked ``send``/``recv`` waits: busy-spin for ``spin_s``, then ``sched_yield()``s
     until ``yield_s``, then sleeps doubling from ``min_sleep_s`` to ``max_sleep_s``. The peer's
     liveness is checked at most every ``liveness_s`` once sleeping."""
 
@@ -130,9 +130,10 @@ class ShmChannel:
     """
 
     def __init__(self, name: str, role: Role, fd: int, mm: mmap.mmap, capacity: int,
-                 creator: bool, policy: WaitPolicy) -> None:
+                 creator: bool, policy: WaitPolicy, codec: Codec | None) -> None:
         self.name, self.role, self.capacity = name, role, capacity
         self._fd, self._mm, self._creator, self._policy = fd, mm, creator, policy
+        self._codec = codec or WireCodec()
         self._seq = 0
         self._pos = self._load(_OFF_WRITE if role == "sender" else _OFF_READ)
         self._store(_OFF_SENDER_PID if role == "sender" else _OFF_RECEIVER_PID, os.getpid())
@@ -142,8 +143,11 @@ class ShmChannel:
 
     @classmethod
     def create(cls, role: Role, capacity: int = DEFAULT_CAPACITY, *,
-               prefix: str = DEFAULT_PREFIX, policy: WaitPolicy | None = None) -> ShmChannel:
-        """Create a new segment and take ``role``; ``capacity`` bytes of ring (multiple of 8)."""
+               prefix: str = DEFAULT_PREFIX, policy: WaitPolicy | None = None,
+               codec: Codec | None = None) -> ShmChannel:
+        """Create a new segment and take ``role``; ``capacity`` bytes of ring (multiple of 8).
+        ``codec`` (both ends must agree) defaults to ``WireCodec``: fast for StepCommand and
+        StepReport, plain pickle for anything else."""
         if role not in ("sender", "receiver"):
             raise ValueError(f"role must be 'sender' or 'receiver', got {role!r}")
         if capacity < 64 or capacity % 8:
@@ -161,10 +165,11 @@ class ShmChannel:
             raise
         mm[0:8] = _MAGIC
         _U64.pack_into(mm, _OFF_CAPACITY, capacity)
-        return cls(name, role, fd, mm, capacity, True, policy or WaitPolicy())
+        return cls(name, role, fd, mm, capacity, True, policy or WaitPolicy(), codec)
 
     @classmethod
-    def attach(cls, spec: ChannelSpec, *, policy: WaitPolicy | None = None) -> ShmChannel:
+    def attach(cls, spec: ChannelSpec, *, policy: WaitPolicy | None = None,
+               codec: Codec | None = None) -> ShmChannel:
         """Map the segment ``spec`` names, take the other role, and unlink the name."""
         path = os.path.join(SHM_DIR, spec.name)
         try:
@@ -178,7 +183,7 @@ class ShmChannel:
             os.close(fd)
             raise ChannelError("segment header does not match its spec", spec.name)
         role: Role = "receiver" if spec.creator_role == "sender" else "sender"
-        chan = cls(spec.name, role, fd, mm, spec.capacity, False, policy or WaitPolicy())
+        chan = cls(spec.name, role, fd, mm, spec.capacity, False, policy or WaitPolicy(), codec)
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -217,13 +222,13 @@ class ShmChannel:
         return self.capacity - _FRAME.size
 
     def send(self, obj: Any, timeout: float | None = None) -> None:
-        """Pickle ``obj`` and append it; blocks while the ring is full (up to ``timeout`` s, None =
+        """Encode ``obj`` and append it; blocks while the ring is full (up to ``timeout`` s, None =
         forever). Raises ``MessageTooLargeError``, ``ChannelTimeoutError``, ``ChannelClosedError``
         (receiver closed) or ``ChannelPeerLostError`` (receiver died)."""
         self._check_role("sender")
         if self._load(_OFF_RECEIVER_CLOSED):
             raise ChannelClosedError("the receiver closed its end", self.name)
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = self._codec.dumps(obj)
         if len(payload) > self.max_message_bytes:
             raise MessageTooLargeError(len(payload), self.max_message_bytes, self.name)
         frame = _FRAME.size + ((len(payload) + 7) & ~7)
@@ -250,7 +255,7 @@ class ShmChannel:
         if seq != self._seq or length > self.max_message_bytes:
             raise ChannelError(f"corrupt frame: seq {seq} (expected {self._seq}), "
                                f"length {length}", self.name)
-        obj = pickle.loads(self._get(pos + _FRAME.size, length))
+        obj = self._codec.loads(self._get(pos + _FRAME.size, length))
         self._pos = pos + _FRAME.size + ((length + 7) & ~7)
         self._seq += 1
         _U64.pack_into(self._mm, _OFF_READ, self._pos)  # free the frame
@@ -309,7 +314,7 @@ class ShmChannel:
             if elapsed < policy.spin_s:
                 continue
             if elapsed < policy.yield_s:
-                time.sleep(0)
+                os.sched_yield()
                 continue
             if now >= next_check:
                 next_check = now + policy.liveness_s
@@ -335,10 +340,11 @@ class ChannelPair:
 
     @classmethod
     def create(cls, capacity: int = DEFAULT_CAPACITY, *, prefix: str = DEFAULT_PREFIX,
-               policy: WaitPolicy | None = None) -> ChannelPair:
-        out = ShmChannel.create("sender", capacity, prefix=prefix, policy=policy)
+               policy: WaitPolicy | None = None, codec: Codec | None = None) -> ChannelPair:
+        out = ShmChannel.create("sender", capacity, prefix=prefix, policy=policy, codec=codec)
         try:
-            inb = ShmChannel.create("receiver", capacity, prefix=prefix, policy=policy)
+            inb = ShmChannel.create("receiver", capacity, prefix=prefix, policy=policy,
+                                    codec=codec)
         except BaseException:
             out.close()
             raise
@@ -351,11 +357,11 @@ class ChannelPair:
 
     @classmethod
     def attach(cls, spec: tuple[ChannelSpec, ChannelSpec], *,
-               policy: WaitPolicy | None = None) -> ChannelPair:
+               policy: WaitPolicy | None = None, codec: Codec | None = None) -> ChannelPair:
         their_out, their_in = spec
-        inb = ShmChannel.attach(their_out, policy=policy)
+        inb = ShmChannel.attach(their_out, policy=policy, codec=codec)
         try:
-            out = ShmChannel.attach(their_in, policy=policy)
+            out = ShmChannel.attach(their_in, policy=policy, codec=codec)
         except BaseException:
             inb.close()
             raise

@@ -23,6 +23,7 @@ from hisparse_ray.errors import (
     ChannelTimeoutError,
     MessageTooLargeError,
 )
+from hisparse_ray.transfer.codec import WireCodec
 from hisparse_ray.types import BatchRow, Rank, RequestId, StepCommand, StepReport
 
 FAST = WaitPolicy(spin_s=0, yield_s=0, min_sleep_s=1e-4, max_sleep_s=1e-3)
@@ -181,9 +182,7 @@ def test_ring_matches_a_fifo_model(ops):
 
 
 def _pickled(obj) -> bytes:
-    import pickle
-
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return WireCodec().dumps(obj)
 
 
 @pytest.mark.parametrize("err", [
