@@ -26,6 +26,12 @@ def hf_twin(model: DSAModel) -> torch.nn.Module:
         cfg_cls, model_cls = transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM
     with torch.device(model.device):
         hf = model_cls(cfg_cls(**d)).to(model.dtype)
+    # HF's from_pretrained keeps these fp32 (_keep_in_fp32_modules); a plain .to(dtype) would not.
+    for name, mod in hf.named_modules():
+        if name.endswith("indexer.weights_proj"):
+            mod.float()
+        elif hasattr(mod, "e_score_correction_bias"):
+            mod.e_score_correction_bias = mod.e_score_correction_bias.float()
     hf.load_state_dict(model.state_dict(), strict=True)
     hf.eval()
     return hf

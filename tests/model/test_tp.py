@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -75,6 +77,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_tp2_gloo_equals_tp1(tmp_path):
     refs, traces = {}, {}
     for kind in ("deepseek_v32", "glm_moe_dsa"):
