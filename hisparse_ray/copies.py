@@ -93,44 +93,81 @@ def _finish(side: Any) -> CopyHandle:
     return CopyHandle(event)
 
 
-def _page_copy(device_layers, pool: HostPool, device_block: int, host_block: int, stream: Any,
-               to_host: bool) -> CopyHandle:
-    device = _check_layers(device_layers, pool)
-    page = pool.layout.page_size
-    dsl = _block_slice(device_block, device_layers[0].shape[0], page, "device")
-    hsl = _block_slice(host_block, pool.rows, page, "host")
-    side = _streams(device, stream)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for l, dev in enumerate(device_layers):
-            host = pool.layer(l)
-            if to_host:
-                host[hsl].copy_(dev[dsl], non_blocking=side is not None)
-            else:
-                dev[dsl].copy_(host[hsl], non_blocking=side is not None)
-    return _finish(side)
+def _page_rows(pairs: Sequence[tuple[int, int]], page: int, dev_rows: int, host_rows: int):
+    """(device rows, host rows) of whole pages; validates every block."""
+    for d, h in pairs:
+        _block_slice(d, dev_rows, page, "device")
+        _block_slice(h, host_rows, page, "host")
+    off = torch.arange(page, dtype=torch.int64)
+    dev = torch.as_tensor([d for d, _ in pairs], dtype=torch.int64).reshape(-1, 1) * page + off
+    host = torch.as_tensor([h for _, h in pairs], dtype=torch.int64).reshape(-1, 1) * page + off
+    return dev.reshape(-1), host.reshape(-1)
+
+
+def _pages(device_layers, pool: HostPool, pairs, stream: Any, to_host: bool,
+           use_uva: bool | None) -> CopyHandle:
+    _check_layers(device_layers, pool)
+    dev_rows, host_rows = _page_rows(pairs, pool.layout.page_size, device_layers[0].shape[0],
+                                     pool.rows)
+    src, dst = (dev_rows, host_rows) if to_host else (host_rows, dev_rows)
+    return _row_copy(device_layers, pool, src, dst, stream, to_host, use_uva)
+
+
+def spill_pages(device_layers: Sequence[torch.Tensor], host_pool: HostPool,
+                pairs: Sequence[tuple[int, int]], stream: Any = None, *,
+                use_uva: bool | None = False) -> CopyHandle:
+    """Spill several pages at once: device block ``d`` -> host block ``h`` (all layers) for each
+    ``(d, h)`` in ``pairs``; host blocks distinct. Default: copy-engine memcpys (one per layer and
+    run of consecutive blocks), leaving the SMs to the forward; use_uva=True: one UVA scatter."""
+    return _pages(device_layers, host_pool, pairs, stream, True, use_uva)
+
+
+def restore_pages(device_layers: Sequence[torch.Tensor], host_pool: HostPool,
+                  pairs: Sequence[tuple[int, int]], stream: Any = None, *,
+                  use_uva: bool | None = False) -> CopyHandle:
+    """Restore several pages at once: host block ``h`` -> device block ``d`` for each ``(d, h)``
+    in ``pairs``; device blocks distinct. Same modes as :func:`spill_pages`."""
+    return _pages(device_layers, host_pool, pairs, stream, False, use_uva)
 
 
 def spill_page(device_layers: Sequence[torch.Tensor], host_pool: HostPool, device_block: int,
                host_block: int, stream: Any = None) -> CopyHandle:
     """Copy device block ``device_block`` (all layers) to host block ``host_block`` (D2H)."""
-    return _page_copy(device_layers, host_pool, device_block, host_block, stream, to_host=True)
+    return spill_pages(device_layers, host_pool, [(device_block, host_block)], stream)
 
 
 def restore_page(device_layers: Sequence[torch.Tensor], host_pool: HostPool, device_block: int,
                  host_block: int, stream: Any = None) -> CopyHandle:
     """Copy host block ``host_block`` (all layers) into device block ``device_block`` (H2D)."""
-    return _page_copy(device_layers, host_pool, device_block, host_block, stream, to_host=False)
+    return restore_pages(device_layers, host_pool, [(device_block, host_block)], stream)
+
+
+def stack_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """[L, rows, row_bytes] strided view when the per-layer tensors are equally spaced views of
+    one storage (e.g. ``big[l]`` of one [L, rows, row_bytes] allocation), else None."""
+    first = layers[0]
+    if len(layers) == 1:
+        return first.unsqueeze(0)
+    step = layers[1].data_ptr() - first.data_ptr()
+    if step <= 0:
+        return None
+    for l, t in enumerate(layers):
+        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.shape != first.shape or t.stride() != first.stride()
+                or t.data_ptr() - first.data_ptr() != l * step):
+            return None
+    return first.as_strided((len(layers), *first.shape), (step, *first.stride()),
+                            first.storage_offset())
 
 
 def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) runs where both row lists advance by one together."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src.tolist(), dst.tolist()):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+    if src.numel() == 0:
+        return []
+    brk = ((src[1:] - src[:-1]) != 1) | ((dst[1:] - dst[:-1]) != 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(brk).reshape(-1) + 1])
+    ends = torch.cat([starts[1:], torch.tensor([src.numel()])])
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), (ends - starts).tolist()))
 
 
 def _row_copy(device_layers, pool: HostPool, src: Rows, dst: Rows, stream: Any, to_host: bool,
@@ -146,28 +183,20 @@ def _row_copy(device_layers, pool: HostPool, src: Rows, dst: Rows, stream: Any, 
     side = _streams(device, stream)
     if s_idx.numel() == 0:
         return _finish(side)
-    if side is None:
-        for l, dev in enumerate(device_layers):
-            host = pool.layer(l)
-            if to_host:
-                host.index_copy_(0, d_idx, dev.index_select(0, s_idx))
-            else:
-                dev.index_copy_(0, d_idx, host.index_select(0, s_idx))
+    if side is None:  # CPU: the pool's own views
+        _gather_scatter(device_layers, host_pool_views(pool, False), s_idx, d_idx, to_host)
         return _finish(side)
-    alias = pool.device_layer(0) if use_uva is not False else None
+    alias = pool.device_stacked() if use_uva is not False else None
     if use_uva and alias is None:
         raise TransferError(f"host pool {pool.name} has no UVA device alias (not registered?)")
     with torch.cuda.stream(side):
-        if alias is not None:  # one gather/scatter kernel per layer, through UVA
-            s_dev = s_idx.to(device, non_blocking=False)
-            d_dev = d_idx.to(device, non_blocking=False)
-            for l, dev in enumerate(device_layers):
-                host = pool.device_layer(l)
-                if to_host:
-                    host.index_copy_(0, d_dev, dev.index_select(0, s_dev))
-                else:
-                    dev.index_copy_(0, d_dev, host.index_select(0, s_dev))
-        else:  # one async memcpy per contiguous run and layer
+        if alias is not None:  # gather/scatter kernels reading or writing host memory via UVA
+            # pinned + non_blocking: a blocking upload would sync the side stream, i.e. wait
+            # for the forward it was just ordered after
+            s_dev = s_idx.pin_memory().to(device, non_blocking=True)
+            d_dev = d_idx.pin_memory().to(device, non_blocking=True)
+            _gather_scatter(device_layers, host_pool_views(pool, True), s_dev, d_dev, to_host)
+        else:  # copy engine: one async memcpy per contiguous run and layer
             runs = _runs(s_idx, d_idx)
             for l, dev in enumerate(device_layers):
                 host = pool.layer(l)
@@ -177,6 +206,27 @@ def _row_copy(device_layers, pool: HostPool, src: Rows, dst: Rows, stream: Any, 
                     else:
                         dev[d:d + n].copy_(host[s:s + n], non_blocking=True)
     return _finish(side)
+
+
+def host_pool_views(pool: HostPool, uva: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(per-layer views, stacked view) of the pool: CPU views, or the CUDA UVA alias."""
+    stacked = pool.device_stacked() if uva else pool.stacked()
+    return list(stacked.unbind(0)), stacked
+
+
+def _gather_scatter(device_layers, host, s_idx: torch.Tensor, d_idx: torch.Tensor,
+                    to_host: bool) -> None:
+    """dst[d_idx[i]] = src[s_idx[i]] in every layer; one gather + one scatter over all layers
+    when the device layers stack, else two per layer."""
+    host_layers, host_stacked = host
+    dev_stacked = stack_layers(device_layers)
+    if dev_stacked is not None:
+        src, dst = (dev_stacked, host_stacked) if to_host else (host_stacked, dev_stacked)
+        dst.index_copy_(1, d_idx, src.index_select(1, s_idx))
+        return
+    for dev, hst in zip(device_layers, host_layers):
+        src, dst = (dev, hst) if to_host else (hst, dev)
+        dst.index_copy_(0, d_idx, src.index_select(0, s_idx))
 
 
 def backup_rows(device_layers: Sequence[torch.Tensor], host_pool: HostPool, src_device_rows: Rows,

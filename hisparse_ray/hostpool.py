@@ -177,7 +177,7 @@ class HostPool:
     Lifecycle: created (owner: header CREATING -> READY, pre-faulted, registered) -> mapped by peers
     -> peers ``close()`` -> owner ``destroy()`` (unregister + unlink). Views handed out by
     :meth:`layer` keep the mapping alive after close (plain, unpinned memory then); CUDA aliases
-    from :meth:`device_layer` are valid only until close.
+    from :meth:`device_layer` / :meth:`device_stacked` are valid only until close.
 
     Write/publish protocol: the owner writes pages (``begin_write()`` first when peers may read
     concurrently on the CPU), then ``publish()``; a peer calls ``wait_published(seq)`` before it
@@ -200,13 +200,10 @@ class HostPool:
         self._arr = np.frombuffer(mm, dtype=np.uint8)  # holds the buffer export (mm stays mapped)
         self._base = self._arr.ctypes.data
         self._counter: SharedCounter | None = SharedCounter(self._base + _SEQ_OFFSET)
-        whole = torch.from_numpy(self._arr)
-        self._views = [
-            whole[HEADER_BYTES + l * stride: HEADER_BYTES + l * stride + self.rows * row_bytes]
-            .view(self.rows, row_bytes) for l in range(num_layers)
-        ]
+        self._stacked = self._stack(torch.from_numpy(self._arr))
+        self._views = list(self._stacked.unbind(0))
         self._registered: list[int] = []
-        self._device_views: list[torch.Tensor] | None = None
+        self._device_stacked: Any = None  # None: not built yet, False: torch refused the alias
         self._ring: IpcEventRing | None = None
         self._finalizer = weakref.finalize(self, _unlink_quiet, path) if owner else None
         if register_cuda:
@@ -341,20 +338,35 @@ class HostPool:
     def closed(self) -> bool:
         return self._mm is None
 
+    def stacked(self) -> torch.Tensor:
+        """All layers as one strided view [num_layers, rows, row_bytes] uint8 (layer stride
+        ``layer_stride`` bytes): lets one gather/scatter cover every layer."""
+        self._check_open()
+        return self._stacked
+
     def device_layer(self, l: int) -> torch.Tensor | None:
         """A CUDA tensor aliasing layer ``l`` through UVA (GPU kernels read/write host memory over
         PCIe), or None when the pool is not registered or torch refuses the alias."""
+        stacked = self.device_stacked()
+        return None if stacked is None else stacked[l]
+
+    def device_stacked(self) -> torch.Tensor | None:
+        """The CUDA (UVA) alias of :meth:`stacked`, or None (see :meth:`device_layer`)."""
         self._check_open()
         if not self._registered:
             return None
-        if self._device_views is None:
+        if self._device_stacked is None:
             try:
-                self._device_views = [
-                    torch.as_tensor(_CudaArray(v.data_ptr(), v.numel()), device="cuda")
-                    .view(v.shape) for v in self._views]
+                whole = torch.as_tensor(_CudaArray(self._base, self.nbytes), device="cuda")
+                self._device_stacked = self._stack(whole)
             except (RuntimeError, TypeError, ValueError):
-                self._device_views = []
-        return self._device_views[l] if self._device_views else None
+                self._device_stacked = False
+        return self._device_stacked if self._device_stacked is not False else None
+
+    def _stack(self, whole: torch.Tensor) -> torch.Tensor:
+        rb = self.layout.bytes_per_token_layer
+        return whole.as_strided((self.layout.num_layers, self.rows, rb), (self.layer_stride, rb, 1),
+                                HEADER_BYTES)
 
     # ---------------------------------------------------------------- publish protocol
     def begin_write(self) -> None:
@@ -429,10 +441,11 @@ class HostPool:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
-        self._device_views = None
+        self._device_stacked = None
         self._unregister()
         self._counter = None
         self._views = []
+        self._stacked = None
         self._arr = None
         mm, self._mm = self._mm, None
         try:

@@ -52,11 +52,17 @@ def last_writer(plan: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def run_writer(pool: HostPool, seed: int, gens: int, write_once: bool) -> int:
-    """Owner side: write every generation of the schedule, with random pauses; returns gens."""
+def run_writer(pool: HostPool, seed: int, gens: int, write_once: bool,
+               duration_s: float = 1.0) -> int:
+    """Owner side: write every generation of the schedule, with random pauses, spread over about
+    ``duration_s`` so that readers overlap it; returns gens."""
     rng = random.Random(seed ^ 0x5EED)
     plan = schedule(seed, gens, write_once)
+    t0 = time.monotonic()
     for g in range(1, gens + 1):
+        ahead = t0 + duration_s * g / gens - time.monotonic()
+        if ahead > 0:
+            time.sleep(ahead * rng.random() * 2)
         if not write_once:
             pool.begin_write()
         for b in plan[g]:
@@ -82,20 +88,23 @@ def _check_page(copy: np.ndarray, b: int, l: int, gen: int, lw, stats) -> None:
 
 
 def run_reader(pool: HostPool, seed: int, gens: int, write_once: bool, min_reads: int = 200,
-               timeout_s: float = 60.0) -> dict[str, int]:
+               timeout_s: float = 60.0, honest: bool = True) -> dict:
     """Peer side: wait for random generations and read random pages; counts torn and stale pages.
 
     write_once: read after wait_published(g) only (no seqlock): blocks written up to g are final.
     Otherwise: seqlock reads (read_begin / copy / read_valid), checked against the observed gen.
+    honest=False skips wait_published (shows that the checks catch a reader breaking protocol).
     """
     rng = random.Random(seed ^ 0xBEEF)
     plan = schedule(seed, gens, write_once)
     lw = last_writer(plan)
-    stats = {"reads": 0, "pages": 0, "retries": 0, "torn": 0, "stale": 0}
+    stats: dict = {"reads": 0, "pages": 0, "retries": 0, "torn": 0, "stale": 0}
     deadline = time.monotonic() + timeout_s
     while (stats["reads"] < min_reads or pool.published() < gens) and time.monotonic() < deadline:
-        target = rng.randint(pool.published(), gens)
-        pool.wait_published(target, timeout_s=timeout_s)
+        now = pool.published()  # mostly read at once (overlapping the writer), else wait ahead
+        target = now if rng.random() < 0.7 else rng.randint(now, min(gens, now + 5))
+        if honest:
+            pool.wait_published(target, timeout_s=timeout_s)
         if write_once:  # only blocks already final at target (later writes may be in flight)
             gen = target
             written = [b for b in range(NUM_BLOCKS) if lw[gen][b] > 0]
@@ -124,14 +133,17 @@ def run_reader(pool: HostPool, seed: int, gens: int, write_once: bool, min_reads
         if rng.random() < 0.2:
             time.sleep(rng.random() * 3e-4)
     stats["final"] = pool.published()
+    stats["honest"] = honest
     return stats
 
 
-def reader_process(name: str, seed: int, gens: int, write_once: bool, queue) -> None:
-    """multiprocessing target: attach, read, report stats through ``queue``."""
+def reader_process(name: str, seed: int, gens: int, write_once: bool, ready, queue,
+                   honest: bool = True) -> None:
+    """multiprocessing target: attach, signal ``ready``, read, report stats through ``queue``."""
     try:
         with HostPool.attach(name, register_cuda=False) as pool:
-            queue.put(run_reader(pool, seed, gens, write_once))
+            ready.set()
+            queue.put(run_reader(pool, seed, gens, write_once, honest=honest))
     except BaseException as e:  # report instead of dying silently
         queue.put({"error": repr(e)})
 

@@ -137,3 +137,56 @@ def test_cuda_handle_polls_without_blocking(pool):
     h.wait()
     assert h.done() and first in (False, True)
     assert torch.equal(pool.block(0, 1), src[0][8:16].cpu())
+
+
+def _stacked_device(device: str, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randint(0, 256, (LAYOUT.num_layers, DEVICE_BLOCKS * 8, LAYOUT.row_bytes),
+                        dtype=torch.uint8, generator=g).to(device)
+    return big, list(big.unbind(0))
+
+
+def test_stack_layers_detects_one_allocation_only():
+    big, layers = _stacked_device("cpu", 0)
+    stacked = copies.stack_layers(layers)
+    assert stacked is not None and stacked.data_ptr() == big.data_ptr() and torch.equal(stacked, big)
+    assert copies.stack_layers(_device_layers("cpu", 0)) is None
+    assert copies.stack_layers([layers[0], layers[2], layers[1]]) is None
+
+
+def _batch_roundtrip(pool, device, stream, use_uva, stacked):
+    src = _stacked_device(device, 5)[1] if stacked else _device_layers(device, 5)
+    pairs = [(0, 4), (1, 5), (2, 6), (5, 0), (3, 9)]  # consecutive blocks coalesce into one run
+    copies.spill_pages(src, pool, pairs, stream, use_uva=use_uva).wait()
+    for d, h in pairs:
+        for l in range(LAYOUT.num_layers):
+            assert torch.equal(pool.block(l, h), src[l][d * 8:(d + 1) * 8].cpu())
+    back = _stacked_device(device, 6)[1] if stacked else _device_layers(device, 6)
+    before = [t.clone() for t in back]
+    moved = [(4, 4), (0, 5), (1, 9)]
+    copies.restore_pages(back, pool, moved, stream, use_uva=use_uva).wait()
+    for l in range(LAYOUT.num_layers):
+        for d in range(DEVICE_BLOCKS):
+            h = dict(moved).get(d)
+            want = pool.block(l, h).to(device) if h is not None else before[l][d * 8:(d + 1) * 8]
+            assert torch.equal(back[l][d * 8:(d + 1) * 8], want)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_cpu_batched_pages_roundtrip(pool, stacked):
+    _batch_roundtrip(pool, "cpu", None, None, stacked)
+
+
+def test_pool_stacked_view_matches_layer_views(pool):
+    st = pool.stacked()
+    assert st.shape == (LAYOUT.num_layers, pool.rows, LAYOUT.row_bytes)
+    for l in range(LAYOUT.num_layers):
+        assert st[l].data_ptr() == pool.layer(l).data_ptr()
+    assert pool.device_stacked() is None or torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_uva", [True, False])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_cuda_batched_pages_roundtrip(pool, use_uva, stacked):
+    _batch_roundtrip(pool, "cuda", torch.cuda.Stream(), use_uva, stacked)

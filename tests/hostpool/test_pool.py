@@ -113,12 +113,20 @@ def test_owner_only_operations_and_closed_pool():
         HostPool.attach(owner.name, register_cuda=False)
 
 
-def _spawn(target, *args):
+def _spawn_many(target, *arg_tuples):
+    """Start one spawned process per argument tuple (in parallel); (process, first message) each."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue), daemon=True)
-    proc.start()
-    return proc, queue.get(timeout=60)
+    started = []
+    for args in arg_tuples:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=target, args=(*args, queue), daemon=True)
+        proc.start()
+        started.append((proc, queue))
+    return [(proc, queue.get(timeout=120)) for proc, queue in started]
+
+
+def _spawn(target, *args):
+    return _spawn_many(target, args)[0]
 
 
 def _kill(proc):
@@ -127,18 +135,16 @@ def _kill(proc):
 
 
 def test_segment_of_a_killed_owner_is_removed_at_start():
-    proc, name = _spawn(_hammer.hold_pool_process, "crash", PREFIX)
-    assert name in list_segments(PREFIX)
+    (p1, name1), (p2, _) = _spawn_many(_hammer.hold_pool_process, ("crash", PREFIX), ("crash2", PREFIX))
+    assert name1 in list_segments(PREFIX)
     with HostPool.create("live", LAYOUT, 1, register_cuda=False, prefix=PREFIX) as live:
-        assert cleanup_stale(PREFIX) == []  # owner still alive: untouched
-        _kill(proc)
-        assert cleanup_stale(PREFIX) == [name]
-        assert list_segments(PREFIX) == [live.name]  # the live pool survives cleanup
-    # create() runs the cleanup itself
-    proc, name = _spawn(_hammer.hold_pool_process, "crash2", PREFIX)
-    _kill(proc)
-    with HostPool.create("next", LAYOUT, 1, register_cuda=False, prefix=PREFIX) as nxt:
-        assert list_segments(PREFIX) == [nxt.name]
+        assert len(list_segments(PREFIX)) == 3  # both owners still alive: untouched
+        _kill(p1)
+        assert cleanup_stale(PREFIX) == [name1]
+        assert live.name in list_segments(PREFIX)  # the live pool survives cleanup
+        _kill(p2)
+        with HostPool.create("next", LAYOUT, 1, register_cuda=False, prefix=PREFIX) as nxt:
+            assert list_segments(PREFIX) == sorted([live.name, nxt.name])  # create() cleaned up
 
 
 def test_teardown_leaves_nothing_after_a_killed_peer():
