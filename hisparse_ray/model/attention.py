@@ -33,7 +33,8 @@ from hisparse_ray.model.indexer import Indexer
 from hisparse_ray.model.layers import RMSNorm
 from hisparse_ray.model.rope import rotate_interleaved, softmax_scale
 
-PREFILL_QUERY_CHUNK = 512
+# Prefill scores are dense [chunk, heads, T]; the query chunk keeps them under this many elements.
+PREFILL_SCORE_ELEMENTS = 1 << 26
 
 
 class MLAAttention(nn.Module):
@@ -118,8 +119,10 @@ class MLAAttention(nn.Module):
         sin: Tensor,
         prev_topk: Tensor | None,
         topk_hook: Callable[[int, Tensor], Tensor | None] | None,
+        score_elements: int = PREFILL_SCORE_ELEMENTS,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """``x [T, hidden]`` -> ``(out [T, hidden], topk [T, K], row [T, row_dim], index_keys [T, d] | None)``."""
+        """``x [T, hidden]`` -> ``(out [T, hidden], topk [T, K], row [T, row_dim], index_keys [T, d] | None)``.
+        Queries are processed in chunks so that ``chunk * heads * T <= score_elements`` (at least 1 row)."""
         T = x.shape[0]
         q_full, q_resid, row = self.project(x, cos, sin)
         keys = None
@@ -131,8 +134,9 @@ class MLAAttention(nn.Module):
             assert prev_topk is not None, "shared layer without an anchor"
             topk = prev_topk
         outs = []
-        for lo in range(0, T, PREFILL_QUERY_CHUNK):
-            hi = min(T, lo + PREFILL_QUERY_CHUNK)
+        chunk = max(1, score_elements // (self.heads * T))
+        for lo in range(0, T, chunk):
+            hi = min(T, lo + chunk)
             allowed = _scatter_mask(topk[lo:hi], T)
             outs.append(self.attend(q_full[None, lo:hi], row[None], allowed[None])[0])
         return torch.cat(outs), topk, row, keys

@@ -14,6 +14,9 @@ Facts from transformers 5.23.0 (``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``):
   contains masked positions, which attention ignores; we report them as -1. In decode (one query at
   position ``n-1`` after the new key is appended) the candidates are **all positions 0..n-1, including
   the current one**; with ``n <= index_topk`` every position is selected.
+* Equal scores (common: ``relu`` zeroes a key for every head whose weight is positive, so scores tie at
+  0.0) are ordered by ``torch.topk``; our batched decode pads keys to the longest row, so a tie at the
+  k-th place may be broken differently from HF's per-request call (both are valid top-k sets).
 * ``indexer_types == "shared"`` layers (GLM) have no indexer module at all and reuse the top-k of the
   most recent full layer.
 """

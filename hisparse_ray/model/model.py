@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hisparse_ray.model.attention import MLAAttention
+from hisparse_ray.model.attention import PREFILL_SCORE_ELEMENTS, MLAAttention
 from hisparse_ray.model.cache import AttentionKVCache, IndexerKeyCache
 from hisparse_ray.model.config import DSAConfig, tiny_config
 from hisparse_ray.model.layers import MLP, MoE, RMSNorm
@@ -58,6 +58,8 @@ class DSAModel(nn.Module):
         self.model = DSABody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = Rope(cfg)
+        # Prefill's dense score block per query chunk is kept under this many elements (memory knob).
+        self.prefill_score_elements = PREFILL_SCORE_ELEMENTS
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,7 +108,9 @@ class DSAModel(nn.Module):
         keys = torch.zeros(cfg.num_hidden_layers, T, cfg.index_head_dim, dtype=self.dtype, device=self.device)
         topk = None
         for i, layer in enumerate(self.model.layers):
-            out, topk, rows[i], k = layer.self_attn.prefill(layer.input_layernorm(h), cos, sin, topk, topk_hook)
+            out, topk, rows[i], k = layer.self_attn.prefill(
+                layer.input_layernorm(h), cos, sin, topk, topk_hook, self.prefill_score_elements
+            )
             if k is not None:
                 keys[i] = k
             h = self._mlp(layer, h + out)

@@ -97,3 +97,13 @@ def test_decode_continues_prefill_exactly(kind):
         logits = model.decode(torch.stack([s[-j] for s in seqs]), pos, cache, icaches)
         for b in range(2):
             torch.testing.assert_close(logits[b], full[b][-j], atol=1e-5, rtol=0)
+
+
+def test_prefill_query_chunking_changes_nothing():
+    model = build_tiny_model(seed=6, kind="glm_moe_dsa")
+    toks = torch.randint(0, model.cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(2))
+    whole = model.prefill(toks)
+    model.prefill_score_elements = 5 * model.cfg.num_attention_heads * 37  # chunks of 5 queries
+    chunked = model.prefill(toks)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # matmul blocking rounds differently
