@@ -76,6 +76,15 @@ class Coordinator:
         return (len(WireCodec().dumps(self.cmds[0])),
                 len(pickle.dumps(self.cmds[0], protocol=pickle.HIGHEST_PROTOCOL)))
 
+    def codec_cost(self, n: int) -> list[float]:
+        """Seconds of one WireCodec encode + decode of the command, in this process."""
+        codec, out = WireCodec(), []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            codec.loads(codec.dumps(self.cmds[0]))
+            out.append(time.perf_counter() - t0)
+        return out
+
     def run_channel(self, n: int) -> list[float]:
         out = []
         for _ in range(n):
@@ -134,7 +143,9 @@ def main() -> None:
             chan = ray.get(coord.run_channel.remote(total))[a.warmup:]
             ray.get(serving)
             ray_calls = ray.get(coord.run_ray.remote(ranks, a.warmup + a.iters // 3))[a.warmup:]
-            rows += [_stats("shm channel", tp, chan), _stats("ray actor call", tp, ray_calls)]
+            codec = ray.get(coord.codec_cost.remote(a.iters))
+            rows += [_stats("shm channel", tp, chan), _stats("ray actor call", tp, ray_calls),
+                     _stats("codec enc+dec", tp, codec)]
             ray.get(coord.close.remote())
             for h in [coord, *ranks]:
                 ray.kill(h)
@@ -142,6 +153,7 @@ def main() -> None:
         ray.shutdown()
     print(f"StepCommand: batch {a.batch}, {a.hot_blocks} hot blocks/request -> {msg_bytes[0]} B "
           f"(wire codec), {msg_bytes[1]} B (pickle)")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
     print(f"{'path':<16}{'tp':>4}{'n':>7}{'p50 us':>10}{'p90 us':>10}{'p99 us':>10}{'mean us':>10}")
     for r in rows:
         print(f"{r['path']:<16}{r['tp']:>4}{r['n']:>7}{r['p50_us']:>10.1f}{r['p90_us']:>10.1f}"

@@ -57,12 +57,13 @@ class ChannelSpec:
 class WaitPolicy:
     """How a blocked ``send``/``recv`` waits: busy-spin for ``spin_s``, then ``sched_yield()``s
     until ``yield_s``, then sleeps doubling from ``min_sleep_s`` to ``max_sleep_s``. The peer's
-    liveness is checked at most every ``liveness_s`` once sleeping."""
+    liveness is checked at most every ``liveness_s`` once sleeping. Ranks with a core of their
+    own can raise ``yield_s`` (more CPU, never the sleep phase's added latency)."""
 
     spin_s: float = 50e-6
-    yield_s: float = 500e-6
+    yield_s: float = 1e-3
     min_sleep_s: float = 10e-6
-    max_sleep_s: float = 1e-3
+    max_sleep_s: float = 100e-6  # bounds the latency a sleeping waiter adds
     liveness_s: float = 0.02
 
     def __post_init__(self) -> None:
