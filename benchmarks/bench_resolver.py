@@ -4,9 +4,10 @@ the same run; for 0 % miss, an empty kernel's launch). Writes a Parquet file and
 
     python benchmarks/bench_resolver.py [--out bench_resolver.parquet] [--quick]
 
-Timing: each call is captured in a CUDA graph ITERS times, each preceded by a restore of the
-slot state (so every call sees the same miss rate) and with a different top-k per call (so host
-rows are not re-read from L2); the restore-only graph is timed too and subtracted.
+Timing: each call is captured in a CUDA graph ITERS times with a different top-k per call (so
+host rows are not re-read from L2); with misses, each call is preceded by a restore of the slot
+state (elementwise kernels) so every call sees the same miss rate, and the restore-only graph is
+timed too and subtracted.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ def time_graph(fn, reps: int = REPS) -> float:
 
 
 def h2d_gbps(pool: torch.Tensor) -> float:
+    """Pinned host -> device copy engine bandwidth: the best of 3 medians of 1 GiB copies."""
     n = min(pool.numel(), 1 << 30)
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
-    ms = time_graph(lambda: dst.copy_(pool[:n], non_blocking=True))
+    ms = min(time_graph(lambda: dst.copy_(pool[:n], non_blocking=True), reps=7) for _ in range(3))
     return n / ms / 1e6
 
 
@@ -108,16 +110,20 @@ class Bench:
         return tk
 
     def restore(self):
-        self.slot_pos.copy_(self.slot_pos0)
-        self.lru.copy_(self.lru0)
+        # elementwise kernels, not memcpy nodes: keeps the graph on the SMs (no copy-engine hops)
+        torch.add(self.slot_pos0, 0, out=self.slot_pos)
+        torch.add(self.lru0, 0, out=self.lru)
 
-    def run(self, miss: float) -> float:
+    def run(self, miss: float, check: bool = True) -> float:
         """Microseconds per resolve call."""
         tks = self.top_ks(miss)
 
+        restore = miss > 0  # at 0 % miss the state after a call still gives 0 % miss
+
         def calls():
             for i in range(ITERS):
-                self.restore()
+                if restore:
+                    self.restore()
                 kcuda.resolve(tks[i], self.seq_lens, self.state_idx, self.slot_pos, self.lru,
                               self.slot_rows, self.resident, self.host_table, self.host,
                               self.device_kv, self.out, self.plan, page_size=PAGE,
@@ -128,9 +134,9 @@ class Bench:
                 self.restore()
 
         t_all = time_graph(calls)
-        t_restore = time_graph(restores)
+        t_restore = time_graph(restores) if restore else 0.0
         misses = int((self.plan[..., 0] >= 0).sum())
-        assert misses == int(round(miss * K)) * self.batch, (misses, miss)
+        assert not check or misses == int(round(miss * K)) * self.batch, (misses, miss)
         return (t_all - t_restore) * 1e3 / ITERS
 
 
@@ -148,12 +154,74 @@ def eager_overhead_us(bench: Bench) -> float:
     return (time.perf_counter() - t) / 200 * 1e6
 
 
+def thp_pool(nbytes: int):
+    """Pinned pool on transparent huge pages (mmap + MADV_HUGEPAGE + cudaHostRegister), or None."""
+    import mmap
+
+    try:
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(mmap.MADV_HUGEPAGE)
+        t = torch.frombuffer(mm, dtype=torch.uint8)
+        t.fill_(0x5A)
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(err) != 0 or not t.is_pinned():
+            print(f"THP pool: cudaHostRegister -> {err}, pinned={t.is_pinned()}")
+            return None
+        return t, mm
+    except Exception as e:  # an experiment: report and go on
+        print(f"THP pool unavailable: {e!r}")
+        return None
+
+
+def anon_huge_kib() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("AnonHugePages"):
+            return int(line.split()[1])
+    return -1
+
+
+def profile(pool: torch.Tensor, threads: int) -> None:
+    """Kernel durations (CUPTI via torch.profiler) and how phase A scales with K and H."""
+    global K
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    for batch in (1, 64):
+        bench = Bench(4096, 1152, batch, pool, threads)
+        tks = bench.top_ks(0.1)
+        args = (bench.seq_lens, bench.state_idx, bench.slot_pos, bench.lru, bench.slot_rows,
+                bench.resident, bench.host_table, bench.host, bench.device_kv, bench.out, bench.plan)
+        kcuda.resolve(tks[0], *args, page_size=PAGE, block_threads=threads)
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(ITERS):
+                bench.restore()
+                kcuda.resolve(tks[i], *args, page_size=PAGE, block_threads=threads)
+            torch.cuda.synchronize()
+        print(f"B={batch} 10% miss, H=4096, 1152 B rows:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6))
+    for batch in (1, 64):
+        for stop in (0, 1, 2, 3, 4, 5, 6, 7, 99):
+            kcuda._DEFINES = (f"-DHS_STOP={stop}",)
+            bench = Bench(4096, 1152, batch, pool, threads)
+            print(f"B={batch} 0% miss K=2048 H=4096, phase A returns after stage {stop}: "
+                  f"{bench.run(0.0, check=False):.1f} us per call", flush=True)
+    kcuda._DEFINES = ()
+    k0 = K
+    for k, h in ((256, 512), (256, 4096), (2048, 4096), (2048, 8192)):
+        K = k
+        bench = Bench(h, 1152, 1, pool, threads)
+        print(f"B=1 0% miss K={k} H={h}: {bench.run(0.0):.1f} us per call")
+    K = k0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_resolver.parquet")
     ap.add_argument("--quick", action="store_true", help="batch 1 and 64 only, H 4096")
     ap.add_argument("--pool-gib", type=float, default=4.0)
-    ap.add_argument("--threads", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1024)
+    ap.add_argument("--thp", action="store_true", help="also time a transparent-huge-page pool")
+    ap.add_argument("--profile", action="store_true", help="kernel durations only, then exit")
     args = ap.parse_args()
     pool = torch.empty(int(args.pool_gib * (1 << 30)), dtype=torch.uint8, pin_memory=True)
     pool.fill_(0x5A)
@@ -161,7 +229,19 @@ def main() -> None:
     floor_launch = launch_floor_us()
     print(f"device {torch.cuda.get_device_name()}  pinned H2D {bw:.1f} GB/s  "
           f"empty-kernel launch in a graph {floor_launch:.2f} us  pool {args.pool_gib} GiB")
+    if args.profile:
+        profile(pool, args.threads)
+        return
     rows = []
+    sweep = {}
+    for threads in (256, 512, 1024):
+        bench = Bench(4096, 1152, 64, pool, threads)
+        sweep[threads] = bench.run(0.0)
+        b1 = Bench(4096, 1152, 1, pool, threads)
+        print(f"threads {threads:4d}: B=64 0% miss {sweep[threads]:.1f} us, "
+              f"B=1 100% miss {b1.run(1.0):.1f} us", flush=True)
+    args.threads = min(sweep, key=sweep.get)
+    print(f"phase-A threads for the table: {args.threads}")
     hs = [4096] if args.quick else [4096, 6144]
     batches = [1, 64] if args.quick else [1, 16, 64, 128]
     for h in hs:
@@ -173,16 +253,34 @@ def main() -> None:
                 for miss in (0.0, 0.1, 0.5, 1.0):
                     us = bench.run(miss)
                     miss_bytes = int(round(miss * K)) * batch * rb
-                    floor = miss_bytes / bw / 1e3 if miss_bytes else floor_launch
                     rows.append(dict(H=h, row_bytes=rb, batch=batch, miss=miss, us=us,
+                                     miss_bytes=miss_bytes,
                                      miss_gbps=miss_bytes / us / 1e3 if miss_bytes else 0.0,
-                                     floor_us=floor, ratio=us / floor, h2d_gbps=bw,
-                                     threads=args.threads))
-                    r = rows[-1]
-                    print(f"H={h:5d} R={rb:5d} B={batch:4d} miss={int(miss * 100):3d}%  "
-                          f"{us:9.1f} us  {r['miss_gbps']:6.1f} GB/s  floor {floor:8.1f} us  "
-                          f"x{r['ratio']:.2f}", flush=True)
-        del bench
+                                     threads=args.threads, pool="pinned"))
+    bw = max(bw, h2d_gbps(pool))  # measured again after the table; the best one is the floor
+    print(f"pinned H2D (best of start and end) {bw:.1f} GB/s")
+    for r in rows:
+        floor = r["miss_bytes"] / bw / 1e3 if r["miss_bytes"] else floor_launch
+        r.update(floor_us=floor, ratio=r["us"] / floor, h2d_gbps=bw)
+        print(f"H={r['H']:5d} R={r['row_bytes']:5d} B={r['batch']:4d} miss={int(r['miss'] * 100):3d}%  "
+              f"{r['us']:9.1f} us  {r['miss_gbps']:6.1f} GB/s  floor {floor:8.1f} us  "
+              f"x{r['ratio']:.2f}", flush=True)
+    thp = None if args.quick or not args.thp else thp_pool(int(args.pool_gib * (1 << 30)))
+    if thp is not None:
+        del pool
+        print(f"THP pool registered; AnonHugePages {anon_huge_kib()} kB")
+        for rb in (656, 1152):
+            for batch in (16, 128):
+                bench = Bench(4096, rb, batch, thp[0], args.threads)
+                for miss in (0.1, 1.0):
+                    us = bench.run(miss)
+                    miss_bytes = int(round(miss * K)) * batch * rb
+                    rows.append(dict(H=4096, row_bytes=rb, batch=batch, miss=miss, us=us,
+                                     miss_gbps=miss_bytes / us / 1e3, floor_us=miss_bytes / bw / 1e3,
+                                     ratio=us / (miss_bytes / bw / 1e3), h2d_gbps=bw,
+                                     threads=args.threads, pool="thp"))
+                    print(f"THP H=4096 R={rb:5d} B={batch:4d} miss={int(miss * 100):3d}%  {us:9.1f} us  "
+                          f"{rows[-1]['miss_gbps']:6.1f} GB/s  x{rows[-1]['ratio']:.2f}", flush=True)
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -13,7 +13,7 @@ import torch
 from hisparse_ray.config import MAX_BLOCK_THREADS, MIN_BLOCK_THREADS
 from hisparse_ray.errors import KernelPreconditionError
 
-DEFAULT_BLOCK_THREADS = 512
+DEFAULT_BLOCK_THREADS = 1024  # fastest phase A on the H200 (BENCHMARKS.md)
 
 
 def _fail(msg: str) -> None:

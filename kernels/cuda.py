@@ -37,14 +37,27 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-@functools.cache
+_DEFINES: tuple[str, ...] = ()  # extra compiler options; benchmarks set these for profiling
+
+
 def _module(device_index: int):
+    return _build(device_index, _DEFINES)
+
+
+@functools.cache
+def _build(device_index: int, defines: tuple[str, ...]):
     import cupy
 
     src = importlib.resources.files("hisparse_ray.kernels.csrc").joinpath("resolver.cu").read_text()
     with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(code=src, options=("-std=c++17",))
-        return mod.get_function("hs_resolve"), mod.get_function("hs_copy_rows")
+        mod = cupy.RawModule(code=src, options=("-std=c++17", *defines))
+        kernels = tuple(mod.get_function(n) for n in ("hs_resolve", "hs_copy_rows", "hs_copy_compact"))
+        for kern in kernels:  # one shared-memory carveout for all: no SM reconfiguration between them
+            try:
+                kern.preferred_shared_memory_carveout = 100
+            except (AttributeError, ValueError):
+                pass
+        return kernels
 
 
 @functools.cache
@@ -52,7 +65,40 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _smem_limit(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
+
+
 _smem_set: dict[int, int] = {}
+_counters: dict[int, torch.Tensor] = {}
+
+
+def _miss_counters(idx: int) -> torch.Tensor:
+    """Per-device [2] int32 (miss count, blocks done): zero between calls, reset by the copy
+    kernel itself. Resolves on one device therefore must not run concurrently on two streams."""
+    c = _counters.get(idx)
+    if c is None:
+        if torch.cuda.is_current_stream_capturing():
+            _fail("call resolve once before capturing it in a CUDA graph (module and scratch setup)")
+        c = _counters[idx] = torch.zeros(2, dtype=torch.int32, device=f"cuda:{idx}")
+    return c
+_streams: dict[tuple[int, int], object] = {}
+
+
+def _stream(idx: int, device: torch.device):
+    """cupy view of torch's current stream (cached: ExternalStream is not free to build)."""
+    import cupy
+
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    key = (idx, ptr)
+    st = _streams.get(key)
+    if st is None:
+        if len(_streams) > 256:
+            _streams.clear()
+        st = _streams[key] = cupy.cuda.ExternalStream(ptr, idx)
+    return st
 
 
 def _launch(kernel, grid, block, args, shared_mem: int, device: torch.device) -> None:
@@ -63,8 +109,7 @@ def _launch(kernel, grid, block, args, shared_mem: int, device: torch.device) ->
         if shared_mem > 48 * 1024 and _smem_set.get(id(kernel), 0) < shared_mem:
             kernel.max_dynamic_shared_size_bytes = shared_mem
             _smem_set[id(kernel)] = shared_mem
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, idx)
-        with stream:
+        with _stream(idx, device):
             kernel(grid, block, args, shared_mem=shared_mem)
 
 
@@ -102,7 +147,7 @@ def _copy(src_idx, dst_idx, stride: int, n_entries: int, src, src_layer_stride: 
         group *= 2
     warps = -(-n_entries // group)
     blocks = min(-(-warps // (COPY_THREADS // 32)), _sm_count(idx) * 16)
-    _, kernel = _module(idx)
+    kernel = _module(idx)[1]
     args = (
         _ptr(src_idx) if src_idx is not None else np.uint64(0), _ptr(dst_idx), np.int32(stride),
         np.int64(n_entries), _ptr(src), np.int64(src_layer_stride), _ptr(dst),
@@ -133,9 +178,10 @@ def resolve(
     """CUDA twin of :func:`hisparse_ray.kernels.reference.resolve` (same shapes and semantics).
 
     Two launches on torch's current stream: phase A (one block of ``block_threads`` per batch
-    row) classifies, updates slot_pos/lru and writes out_rows and the plan; phase B (a grid of
-    many blocks) copies the planned rows from host_kv (pinned, UVA) into device_kv. When ``plan``
-    is None a scratch plan is allocated on the current stream."""
+    row) classifies, updates slot_pos/lru and writes out_rows, the plan and a compact miss list;
+    phase B (one block per SM, 4 rows per warp) copies the listed rows from host_kv (pinned, UVA)
+    into device_kv and resets the per-device miss counter. When ``plan`` is None a scratch plan
+    is allocated on the current stream. Calls on one device must not overlap on two streams."""
     import numpy as np
 
     b, k, h = check_resolve_args(
@@ -154,22 +200,35 @@ def resolve(
         )
     if plan is None:
         plan = torch.empty((b, k, 2), dtype=torch.int32, device=device)
-    hash_bits = max(6, (2 * k - 1).bit_length())
-    smem = 4 * (2 * (1 << hash_bits) + 3 * k + 64) + h
-    kernel, _ = _module(device.index if device.index is not None else torch.cuda.current_device())
+    elif plan.data_ptr() % 8:
+        _fail("plan must start at an 8-byte aligned address (one int2 store per entry)")
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    limit = _smem_limit(idx) - 64
+    hash_bits = max(6, (4 * k - 1).bit_length())  # load <= 1/4 when it fits, else <= 1/2
+    if 4 * (2 * (1 << hash_bits) + 5 * k + 3 * h + 65) + h > limit:
+        hash_bits = max(6, (2 * k - 1).bit_length())
+    smem = 4 * (2 * (1 << hash_bits) + 5 * k + 3 * h + 65) + h
+    if smem > limit:
+        _fail(f"K={k}, H={h} need {smem} B of shared memory per block, the device allows {limit}")
+    kernel_a, _, kernel_b = _module(idx)
+    counters = _miss_counters(idx)
+    miss_list = torch.empty((b * k, 2), dtype=torch.int32, device=device)
     args = (
         _ptr(top_k), np.int32(k), _ptr(seq_lens), np.int32(seq_lens.dtype == torch.int64),
         _ptr(state_idx), _ptr(slot_pos), _ptr(lru), np.int32(h), _ptr(slot_rows),
         _ptr(resident_table), _ptr(host_table), np.int32(resident_table.shape[1]),
-        np.int32(page_size), _ptr(out_rows), _ptr(plan), np.int32(hash_bits),
+        np.int32(page_size), _ptr(out_rows), _ptr(plan), np.int32(hash_bits), _ptr(miss_list),
+        _ptr(counters),
     )
-    _launch(kernel, (b,), (block_threads,), args, smem, device)
+    _launch(kernel_a, (b,), (block_threads,), args, smem, device)
     if debug:
         check_rows_in_range("plan (host rows)", plan[..., 0], host_kv.shape[0])
         check_rows_in_range("plan (device rows)", plan[..., 1], device_kv.shape[0])
     rb = int(device_kv.shape[1])
-    flat = plan.view(-1)
-    _copy(flat[0:], flat[1:], 2, b * k, host_kv, 0, device_kv, 0, 1, rb, device)
+    args_b = (_ptr(miss_list), _ptr(counters), _ptr(host_kv), _ptr(device_kv), np.int64(rb),
+              np.int32(_vec_width(rb, host_kv, device_kv)))
+    blocks = min(_sm_count(idx), -(-b * k // (4 * COPY_THREADS // 32)))
+    _launch(kernel_b, (blocks,), (COPY_THREADS,), args_b, 0, device)
 
 
 def replay(

@@ -4,35 +4,34 @@
 // "The resolver contract"; the twin is kernels/reference.py.
 
 #define FULL_MASK 0xffffffffu
+#ifndef HS_STOP  // benchmark-only: return from hs_resolve after stage HS_STOP (profiling aid)
+#define HS_STOP 99
+#endif
+#define HS_STAGE(k) \
+    if (HS_STOP == (k)) return;
 
-// Exclusive block-wide prefix sum of `v`; `total` gets the block sum (same in every thread).
-// Needs blockDim.x a multiple of 32 and <= 1024; `scratch` holds 32 ints. Every thread must call it.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int& total) {
-    const int lane = threadIdx.x & 31;
+// Block-wide offsets of two warp-uniform counts (warp order): `before_a/b` get the sums of
+// lower warps, `total_a/b` the block sums. Every thread must call it; scratch holds 64 ints.
+__device__ __forceinline__ void warp_offsets(int a, int b, int* scratch, int& before_a,
+                                             int& before_b, int& total_a, int& total_b) {
     const int warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5;
-    int x = v;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        int y = __shfl_up_sync(FULL_MASK, x, off);
-        if (lane >= off) x += y;
+    if ((threadIdx.x & 31) == 0) {
+        scratch[warp] = a;
+        scratch[32 + warp] = b;
     }
-    if (lane == 31) scratch[warp] = x;
     __syncthreads();
-    if (warp == 0) {
-        int t = lane < nwarps ? scratch[lane] : 0;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            int y = __shfl_up_sync(FULL_MASK, t, off);
-            if (lane >= off) t += y;
+    before_a = before_b = total_a = total_b = 0;
+    for (int w = 0; w < nwarps; ++w) {
+        const int x = scratch[w], y = scratch[32 + w];
+        if (w < warp) {
+            before_a += x;
+            before_b += y;
         }
-        scratch[lane] = t;
+        total_a += x;
+        total_b += y;
     }
-    __syncthreads();
-    const int before = warp > 0 ? scratch[warp - 1] : 0;
-    total = scratch[nwarps - 1];
     __syncthreads();  // scratch is reused by the next call
-    return before + x - v;
 }
 
 __device__ __forceinline__ unsigned hash_pos(int p, int bits) {
@@ -40,27 +39,44 @@ __device__ __forceinline__ unsigned hash_pos(int p, int bits) {
 }
 
 // Phase A. grid = (B), block = (T), T a multiple of 32 in [64, 1024].
-// Dynamic shared memory: 2*cap + 3*K + 64 ints, then H bytes (cap = 1 << hash_bits >= 2K).
+// Dynamic shared memory: 2*cap + 5*K + 3*H + 65 ints, then H bytes (cap = 1 << hash_bits >= 2K; the
+// launcher uses >= 4K when it fits: fewer probes).
+// Misses are also appended to the compact miss_list ((host_row, device_row) pairs; counters[0]
+// counts them) that hs_copy_compact copies and then resets.
+// The row's top-k, slot_pos and lru are staged in shared memory with independent loads, so the
+// block pays a few global round trips, not one per loop iteration. Order-dependent counting
+// (ranks in top-k order, the LRU walk) uses warp ballots over contiguous per-warp segments.
 // Writes out_rows, plan (every entry: (-1, -1) unless a miss copy), slot_pos and lru in place.
 extern "C" __global__ void hs_resolve(
     const int* __restrict__ top_k, int K, const void* __restrict__ seq_lens, int lens64,
     const int* __restrict__ state_idx, int* __restrict__ slot_pos, int* __restrict__ lru, int H,
     const int* __restrict__ slot_rows, const int* __restrict__ resident_table,
     const int* __restrict__ host_table, int P, int page_size, int* __restrict__ out_rows,
-    int* __restrict__ plan, int hash_bits) {
+    int* __restrict__ plan, int hash_bits, int* __restrict__ miss_list,
+    int* __restrict__ counters) {
     extern __shared__ int smem[];
+    HS_STAGE(0)
     const int cap = 1 << hash_bits;
     int* h_keys = smem;
     int* h_vals = h_keys + cap;
-    int* slot_of = h_vals + cap;  // per top-k index: slot of a hit, -2 miss, -1 settled
-    int* rank_of = slot_of + K;   // rank among hits or among misses, in top-k order
-    int* victim = rank_of + K;    // evicted slots, LRU order
-    int* scratch = victim + K;    // 64 ints
+    int* s_tk = h_vals + cap;     // K: the row's top-k
+    int* slot_of = s_tk + K;      // K: slot of a hit, -2 miss, -1 settled
+    int* rank_of = slot_of + K;   // K: resident block first, then rank among hits or misses
+    int* victim = rank_of + K;    // K: evicted slots, LRU order
+    int* s_sp = victim + K;       // H: slot_pos of the state row
+    int* s_lr = s_sp + H;         // H: lru of the state row
+    int* s_srow = s_lr + H;       // H+1: slot_rows of the batch row
+    int* s_host = s_srow + H + 1; // K: host block of each position's page
+    int* scratch = s_host + K;    // 64
     unsigned char* hit_flag = reinterpret_cast<unsigned char*>(scratch + 64);
 
     const int b = blockIdx.x;
     const int tid = threadIdx.x;
     const int T = blockDim.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int nwarps = T >> 5;
+    const unsigned lt_mask = (1u << lane) - 1u;
     const long long n = lens64 ? static_cast<const long long*>(seq_lens)[b]
                                : (long long)static_cast<const int*>(seq_lens)[b];
     const int* tk = top_k + (size_t)b * K;
@@ -81,6 +97,7 @@ extern "C" __global__ void hs_resolve(
     const int s = state_idx[b];
     int* sp = slot_pos + (size_t)s * H;
     int* lr = lru + (size_t)s * H;
+    HS_STAGE(1)
 
     if (n <= H) {  // short path: slot p holds position p; lookup only
         for (int j = tid; j < K; j += T) {
@@ -98,24 +115,56 @@ extern "C" __global__ void hs_resolve(
         return;
     }
 
-    // Long path. 1) settle padding / resident / newest; hash the remaining positions.
-    for (int i = tid; i < cap; i += T) h_keys[i] = -1;
+    // Long path. 0) stage the row in shared memory.
+    // (shared arrays up to s_lr start at multiples of 16 B: cap and K*4 ints)
+    if ((K & 3) == 0 && ((size_t)tk & 15) == 0) {
+        for (int j = tid; j < K / 4; j += T) reinterpret_cast<int4*>(s_tk)[j] = reinterpret_cast<const int4*>(tk)[j];
+    } else {
+        for (int j = tid; j < K; j += T) s_tk[j] = tk[j];
+    }
+    if ((H & 3) == 0 && ((size_t)sp & 15) == 0 && ((size_t)lr & 15) == 0) {
+        for (int i = tid; i < H / 4; i += T) {
+            const int4 a = reinterpret_cast<const int4*>(sp)[i];
+            const int4 c = reinterpret_cast<const int4*>(lr)[i];
+            reinterpret_cast<int4*>(s_sp)[i] = a;
+            reinterpret_cast<int4*>(s_lr)[i] = c;
+        }
+    } else {
+#pragma unroll 4
+        for (int i = tid; i < H; i += T) {
+            s_sp[i] = sp[i];
+            s_lr[i] = lr[i];
+        }
+    }
     for (int i = tid; i < H; i += T) hit_flag[i] = 0;
+#pragma unroll 4
+    for (int i = tid; i <= H; i += T) s_srow[i] = srow[i];
+    for (int i = tid; i < cap; i += T) h_keys[i] = -1;
     __syncthreads();
+    HS_STAGE(2)
+#pragma unroll 4
+    for (int j = tid; j < K; j += T) {
+        const int p = s_tk[j];
+        const int pg = p >= 0 ? p / page_size : 0;
+        rank_of[j] = p >= 0 ? rtab[pg] : -1;
+        s_host[j] = p >= 0 ? htab[pg] : -1;
+    }
+    __syncthreads();
+    HS_STAGE(3)
+    // 1) settle padding / resident / newest; hash the remaining positions.
     const int mask = cap - 1;
     for (int j = tid; j < K; j += T) {
-        const int p = tk[j];
-        pl[2 * j] = -1;
-        pl[2 * j + 1] = -1;
+        const int p = s_tk[j];
+        reinterpret_cast<int2*>(pl)[j] = make_int2(-1, -1);
         int code = -1;
         if (p < 0) {
             out[j] = -1;
         } else {
-            const int blk = rtab[p / page_size];
+            const int blk = rank_of[j];
             if (blk >= 0) {
                 out[j] = blk * page_size + p % page_size;
             } else if ((long long)p == n - 1) {
-                out[j] = srow[H];
+                out[j] = s_srow[H];
             } else {
                 code = -2;
                 unsigned h = hash_pos(p, hash_bits);
@@ -132,9 +181,10 @@ extern "C" __global__ void hs_resolve(
         slot_of[j] = code;
     }
     __syncthreads();
+    HS_STAGE(4)
     // 2) mark every hit before any eviction.
     for (int i = tid; i < H; i += T) {
-        const int q = sp[i];
+        const int q = s_sp[i];
         if (q < 0) continue;
         unsigned h = hash_pos(q, hash_bits);
         int key;
@@ -148,53 +198,84 @@ extern "C" __global__ void hs_resolve(
         }
     }
     __syncthreads();
-    // 3) ranks of hits and misses in top-k order (packed: hits << 16 | misses, tile sums <= 1024).
-    int nhit = 0, nmiss = 0;
-    for (int base = 0; base < K; base += T) {
-        const int j = base + tid;
-        const int c = j < K ? slot_of[j] : -1;
-        const int v = (c >= 0 ? (1 << 16) : 0) | (c == -2 ? 1 : 0);
-        int tot;
-        const int ex = block_exclusive_scan(v, scratch, tot);
-        if (c >= 0) rank_of[j] = nhit + (ex >> 16);
-        if (c == -2) rank_of[j] = nmiss + (ex & 0xffff);
-        nhit += tot >> 16;
-        nmiss += tot & 0xffff;
-    }
-    // 4) walk the LRU (oldest first): the first nmiss non-hit slots are evicted, the rest keep
-    //    their order at the front. Writes go to index <= the index read, so in place is safe.
-    int nev = 0;
-    for (int base = 0; base < H; base += T) {
-        const int i = base + tid;
-        const int slot = i < H ? lr[i] : -1;
-        const int ev = (i < H && !hit_flag[slot]) ? 1 : 0;
-        int tot;
-        const int ex = block_exclusive_scan(ev, scratch, tot);  // its barriers order reads before writes
-        if (ev) {
-            const int r = nev + ex;
-            if (r < nmiss) victim[r] = slot;
-            else lr[r - nmiss] = slot;
+    HS_STAGE(5)
+    // 3) ranks of hits and misses in top-k order: warp w owns a contiguous segment of K.
+    int nhit, nmiss;
+    {
+        const int seg = ((K + nwarps * 32 - 1) / (nwarps * 32)) * 32;
+        const int lo = warp * seg, hi = min(K, lo + seg);
+        int ch = 0, cm = 0;
+        for (int base = lo; base < hi; base += 32) {
+            const int j = base + lane;
+            const int c = j < hi ? slot_of[j] : -1;
+            ch += __popc(__ballot_sync(FULL_MASK, c >= 0));
+            cm += __popc(__ballot_sync(FULL_MASK, c == -2));
         }
-        nev += tot;
+        int bh, bm;
+        warp_offsets(ch, cm, scratch, bh, bm, nhit, nmiss);
+        for (int base = lo; base < hi; base += 32) {
+            const int j = base + lane;
+            const int c = j < hi ? slot_of[j] : -1;
+            const unsigned hb = __ballot_sync(FULL_MASK, c >= 0);
+            const unsigned mb = __ballot_sync(FULL_MASK, c == -2);
+            if (c >= 0) rank_of[j] = bh + __popc(hb & lt_mask);
+            if (c == -2) rank_of[j] = bm + __popc(mb & lt_mask);
+            bh += __popc(hb);
+            bm += __popc(mb);
+        }
+    }
+    HS_STAGE(6)
+    // 4) walk the LRU (oldest first): the first nmiss non-hit slots are evicted, the others keep
+    //    their order at the front of the new LRU (written to global; the old one is staged).
+    {
+        const int seg = ((H + nwarps * 32 - 1) / (nwarps * 32)) * 32;
+        const int lo = warp * seg, hi = min(H, lo + seg);
+        int ce = 0;
+        for (int base = lo; base < hi; base += 32) {
+            const int i = base + lane;
+            ce += __popc(__ballot_sync(FULL_MASK, i < hi && !hit_flag[s_lr[i]]));
+        }
+        int be, unused_b, total_e, unused_t;
+        warp_offsets(ce, 0, scratch, be, unused_b, total_e, unused_t);
+        for (int base = lo; base < hi; base += 32) {
+            const int i = base + lane;
+            const int slot = i < hi ? s_lr[i] : 0;
+            const bool ev = i < hi && !hit_flag[slot];
+            const unsigned eb = __ballot_sync(FULL_MASK, ev);
+            if (ev) {
+                const int r = be + __popc(eb & lt_mask);
+                if (r < nmiss) victim[r] = slot;
+                else lr[r - nmiss] = slot;
+            }
+            be += __popc(eb);
+        }
     }
     __syncthreads();
-    // 5) tail of the LRU: newly filled, then hits; fill slots and write the plan.
+    HS_STAGE(7)
+    // 5) tail of the LRU: newly filled, then hits; fill slots, write the plan and the miss list.
     const int fill0 = H - nhit - nmiss;
     const int hit0 = H - nhit;
+    __shared__ int list_base;
+    if (tid == 0) list_base = nmiss ? atomicAdd(&counters[0], nmiss) : 0;
+    __syncthreads();
     for (int j = tid; j < K; j += T) {
         const int c = slot_of[j];
         if (c >= 0) {
             lr[hit0 + rank_of[j]] = c;
-            out[j] = srow[c];
+            out[j] = s_srow[c];
         } else if (c == -2) {
-            const int p = tk[j];
+            const int p = s_tk[j];
             const int v = victim[rank_of[j]];
             lr[fill0 + rank_of[j]] = v;
             sp[v] = p;
-            const int drow = srow[v];
+            const int drow = s_srow[v];
+            const int hrow = s_host[j] * page_size + p % page_size;
             out[j] = drow;
-            pl[2 * j] = htab[p / page_size] * page_size + p % page_size;
+            pl[2 * j] = hrow;
             pl[2 * j + 1] = drow;
+            const int m = list_base + rank_of[j];
+            miss_list[2 * m] = hrow;
+            miss_list[2 * m + 1] = drow;
         }
     }
 }
@@ -237,7 +318,7 @@ __device__ __forceinline__ void warp_copy_rows(const char* __restrict__ src, cha
 // dst_idx[e*stride] of `dst` (skipped when the source index is < 0), for every layer
 // blockIdx.y (layer strides in bytes). Each warp reads `group` (1..32) entries at once.
 // vec: bytes per access (16, 8, 4 or 1); row_bytes and both bases are multiples of it.
-extern "C" __global__ void hs_copy_rows(const int* __restrict__ src_idx,
+extern "C" __global__ void __launch_bounds__(256, 2) hs_copy_rows(const int* __restrict__ src_idx,
                                         const int* __restrict__ dst_idx, int stride,
                                         long long n_entries, const char* __restrict__ src,
                                         long long src_layer_stride, char* __restrict__ dst,
@@ -248,12 +329,19 @@ extern "C" __global__ void hs_copy_rows(const int* __restrict__ src_idx,
     const int lane = threadIdx.x & 31;
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-    for (long long g0 = warp * group; g0 < n_entries; g0 += nwarps * group) {
-        const long long e = g0 + lane;
-        int s = -1, d = -1;
+    long long g0 = warp * group;
+    int s_next = -1, d_next = -1;  // entries of the next group, loaded before this one's copies
+    if (lane < group && g0 + lane < n_entries) {
+        s_next = src_idx[(g0 + lane) * stride];
+        d_next = dst_idx[(g0 + lane) * stride];
+    }
+    for (; g0 < n_entries; g0 += nwarps * group) {
+        const int s = s_next, d = d_next;
+        const long long e = g0 + nwarps * group + lane;
+        s_next = d_next = -1;
         if (lane < group && e < n_entries) {
-            s = src_idx[e * stride];
-            if (s >= 0) d = dst_idx[e * stride];
+            s_next = src_idx[e * stride];
+            d_next = dst_idx[e * stride];
         }
         unsigned act = __ballot_sync(FULL_MASK, s >= 0);
         while (act) {
@@ -274,6 +362,46 @@ extern "C" __global__ void hs_copy_rows(const int* __restrict__ src_idx,
                 case 4: warp_copy_rows<unsigned, 3>(src, dst, srcs, dsts, cnt, row_bytes, lane); break;
                 default: warp_copy_rows<unsigned char, 4>(src, dst, srcs, dsts, cnt, row_bytes, lane);
             }
+        }
+    }
+}
+
+// Phase B of a resolve: copy the compact miss list (counters[0] pairs written by hs_resolve),
+// 4 rows per warp at a time, then the last block to finish resets both counters.
+extern "C" __global__ void __launch_bounds__(256, 1) hs_copy_compact(
+    const int* __restrict__ miss_list, int* __restrict__ counters, const char* __restrict__ src,
+    char* __restrict__ dst, long long row_bytes, int vec) {
+    const int count = *(volatile int*)&counters[0];
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int nwarps = (gridDim.x * blockDim.x) >> 5;
+    for (int base = warp * 4; base < count; base += nwarps * 4) {
+        int s = -1, d = -1;
+        if (lane < 4 && base + lane < count) {
+            s = miss_list[2 * (base + lane)];
+            d = miss_list[2 * (base + lane) + 1];
+        }
+        int srcs[4], dsts[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            srcs[k] = __shfl_sync(FULL_MASK, s, k);
+            dsts[k] = __shfl_sync(FULL_MASK, d, k);
+        }
+        const int cnt = min(4, count - base);
+        switch (vec) {
+            case 16: warp_copy_rows<uint4, 3>(src, dst, srcs, dsts, cnt, row_bytes, lane); break;
+            case 8: warp_copy_rows<uint2, 3>(src, dst, srcs, dsts, cnt, row_bytes, lane); break;
+            case 4: warp_copy_rows<unsigned, 3>(src, dst, srcs, dsts, cnt, row_bytes, lane); break;
+            default: warp_copy_rows<unsigned char, 4>(src, dst, srcs, dsts, cnt, row_bytes, lane);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&counters[1], 1) == (int)gridDim.x - 1) {
+            counters[0] = 0;
+            counters[1] = 0;
+            __threadfence();
         }
     }
 }
