@@ -28,15 +28,17 @@ def check_coordinator(c: "Coordinator") -> None:
     cfg = c.config
     ps = cfg.page_size
 
+    waiting = set(c._waiting)
+    assert len(waiting) == len(c._waiting), "a request is queued twice"
     dev_owner: dict[int, str] = {}
     host_refs: Counter[int] = Counter()
     for rid, req in c._requests.items():
         assert req.rid == rid
         if req.state in (RequestState.WAITING, RequestState.RELEASED):
             assert not req.pages and not req.hot and not req.in_flight, f"{rid} holds leases"
-            assert (req.state is RequestState.WAITING) == (rid in c._waiting)
+            assert (req.state is RequestState.WAITING) == (rid in waiting)
             continue
-        assert rid not in c._waiting, f"{rid} is queued but {req.state}"
+        assert rid not in waiting, f"{rid} is queued but {req.state}"
         for i, page in enumerate(req.pages):
             assert 0 <= page.host_rows <= ps, f"{rid} page {i} host_rows={page.host_rows}"
             if page.device is not None:

@@ -88,6 +88,9 @@ class RandomDriver:
                if not self.coord._requests[r].forget_when_released]
         if ids:
             self.coord.free(ids[pick % len(ids)])
+        released = self._ids((RequestState.RELEASED,))
+        for rid in released[:-8]:  # keep the record count bounded, like a real caller
+            self.coord.free(rid)
 
     def op_restore(self, pick: int) -> None:
         ids = [r for r in self._ids((RequestState.RUNNING,))
