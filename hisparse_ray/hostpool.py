@@ -9,12 +9,10 @@ Segment layout: a 4 KiB header page, then for layer l in range(num_layers) a reg
 
 from __future__ import annotations
 
-import enum
 import mmap
 import os
 import secrets
 import struct
-import time
 import weakref
 from typing import Any
 
@@ -23,139 +21,14 @@ import torch
 
 from hisparse_ray.config import GIB, KVLayout
 from hisparse_ray.errors import HostPoolError
+from hisparse_ray.hostsegment import (  # noqa: F401  (re-exported: the pool's public surface)
+    CREATING, DEFAULT_PREFIX, EVENT_OFFSET, EVENT_SLOT, HEADER_BYTES, HEADER_STRUCT, MAGIC,
+    MAX_POOL_FRACTION, MAX_REGISTER_BYTES, READY, REGISTER_FLAGS, SEQ_OFFSET, SHM_DIR, STATE_OFFSET,
+    VERSION, HostSharing, cleanup_stale, layer_stride, list_segments, mem_available_bytes,
+    physical_pool_bytes, pool_bytes, prefault, proc_stat, read_header, register_chunks,
+    unlink_quiet,
+)
 from hisparse_ray.hostsync import IpcEventRing, Publication, SharedCounter, spin_until
-
-DEFAULT_PREFIX = "hisparse-pool"
-SHM_DIR = "/dev/shm"
-MAGIC = b"HSPRPOOL"
-VERSION = 1
-HEADER_BYTES = 4096
-ALIGN = 4096
-MAX_REGISTER_BYTES = 64 * GIB  # one cudaHostRegister call; a single 512 GiB call fails
-MAX_POOL_FRACTION = 0.95  # of MemAvailable
-STALE_GRACE_S = 60.0  # a segment without a readable header is stale only after this age
-
-# magic, version, header_bytes, num_layers, page_size, row_bytes, row_bytes_given, num_blocks,
-# layer_stride, total_bytes, owner_pid, owner_start, kv_dtype, state, event_ring
-_HEADER = struct.Struct("<8sIIIIIIQQQQQ8sII")
-_STATE_OFFSET = 80  # u32 state inside _HEADER
-_SEQ_OFFSET = 128  # u64 seqlock counter, on its own cache line
-_EVENT_OFFSET = 256  # event ring: slots of 128 bytes, [u32 length][handle bytes]
-_EVENT_SLOT = 128
-_CREATING, _READY = 0, 1
-_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped (UVA device access)
-_MADV_POPULATE_WRITE = 23
-assert _HEADER.size <= _SEQ_OFFSET and _STATE_OFFSET == _HEADER.size - 8
-
-
-class HostSharing(enum.Enum):
-    """How the TP ranks of one replica get host memory."""
-
-    SHARED = "shared"  # rank 0 creates one segment, peers attach (MLA KV is replicated over TP)
-    PRIVATE = "private"  # every rank creates its own pool (other executors / parallel layouts)
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def layer_stride(layout: KVLayout, num_blocks: int) -> int:
-    return _align(num_blocks * layout.page_bytes_per_layer)
-
-
-def pool_bytes(layout: KVLayout, num_blocks: int) -> int:
-    """Bytes of one segment: header page + every layer region (block stride alignment included)."""
-    return HEADER_BYTES + layout.num_layers * layer_stride(layout, num_blocks)
-
-
-def physical_pool_bytes(layout: KVLayout, num_blocks: int, tp_size: int, sharing: HostSharing) -> int:
-    """Host bytes a replica of ``tp_size`` ranks uses: one segment shared, or one per rank."""
-    return pool_bytes(layout, num_blocks) * (1 if sharing is HostSharing.SHARED else tp_size)
-
-
-def mem_available_bytes() -> int:
-    """``MemAvailable`` from /proc/meminfo (bytes)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise HostPoolError("MemAvailable not found in /proc/meminfo")
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks) of a live pid, None if it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-        return rest[0], int(rest[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _pid_alive(pid: int, start: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    stat = _proc_stat(pid)
-    if stat is None:
-        return True  # exists per kill(); /proc not readable: assume alive
-    state, started = stat
-    return state not in ("Z", "X") and (start == 0 or started == start)
-
-
-def _read_header(fd: int) -> tuple | None:
-    raw = os.pread(fd, _HEADER.size, 0)
-    if len(raw) < _HEADER.size or raw[:8] != MAGIC:
-        return None
-    return _HEADER.unpack(raw)
-
-
-def list_segments(prefix: str = DEFAULT_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
-    """Names of the segments in ``shm_dir`` whose name starts with ``prefix + "."``."""
-    try:
-        return sorted(n for n in os.listdir(shm_dir) if n.startswith(prefix + "."))
-    except FileNotFoundError:
-        return []
-
-
-def cleanup_stale(prefix: str = DEFAULT_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink segments of ``prefix`` whose owner process is dead (or, without a readable header,
-    that are older than ``STALE_GRACE_S``). Returns the names removed. Live pools are untouched."""
-    removed = []
-    for name in list_segments(prefix, shm_dir):
-        path = os.path.join(shm_dir, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            header = _read_header(fd)
-            age = time.time() - os.fstat(fd).st_mtime
-        finally:
-            os.close(fd)
-        if header is None:
-            stale = age > STALE_GRACE_S
-        else:
-            stale = not _pid_alive(header[10], header[11])
-        if stale:
-            try:
-                os.unlink(path)
-                removed.append(name)
-            except FileNotFoundError:
-                pass
-    return removed
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _cudart() -> Any:
@@ -199,13 +72,13 @@ class HostPool:
         self._mm: mmap.mmap | None = mm
         self._arr = np.frombuffer(mm, dtype=np.uint8)  # holds the buffer export (mm stays mapped)
         self._base = self._arr.ctypes.data
-        self._counter: SharedCounter | None = SharedCounter(self._base + _SEQ_OFFSET)
+        self._counter: SharedCounter | None = SharedCounter(self._base + SEQ_OFFSET)
         self._stacked = self._stack(torch.from_numpy(self._arr))
         self._views = list(self._stacked.unbind(0))
         self._registered: list[int] = []
         self._device_stacked: Any = None  # None: not built yet, False: torch refused the alias
         self._ring: IpcEventRing | None = None
-        self._finalizer = weakref.finalize(self, _unlink_quiet, path) if owner else None
+        self._finalizer = weakref.finalize(self, unlink_quiet, path) if owner else None
         if register_cuda:
             self._register()
             if event_ring:
@@ -213,7 +86,7 @@ class HostPool:
                 if owner:
                     for slot in range(event_ring):
                         h = self._ring.handle(slot)
-                        off = _EVENT_OFFSET + slot * _EVENT_SLOT
+                        off = EVENT_OFFSET + slot * EVENT_SLOT
                         struct.pack_into(f"<I{len(h)}s", mm, off, len(h), h)
 
     # ---------------------------------------------------------------- construction
@@ -229,7 +102,7 @@ class HostPool:
             raise HostPoolError(f"replica id {replica_id!r} cannot be part of a segment name")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise HostPoolError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        if not 0 <= event_ring <= (HEADER_BYTES - _EVENT_OFFSET) // _EVENT_SLOT:
+        if not 0 <= event_ring <= (HEADER_BYTES - EVENT_OFFSET) // EVENT_SLOT:
             raise HostPoolError(f"event_ring {event_ring} out of range")
         register = torch.cuda.is_available() if register_cuda is None else bool(register_cuda)
         cleanup_stale(prefix, shm_dir)
@@ -251,22 +124,22 @@ class HostPool:
             raise HostPoolError(f"cannot create host pool segment {path}: {e}") from None
         mm = None
         try:
-            stat = _proc_stat(os.getpid())
+            stat = proc_stat(os.getpid())
             header = (MAGIC, VERSION, HEADER_BYTES, layout.num_layers, layout.page_size,
                       layout.bytes_per_token_layer, int(layout.row_bytes is not None), num_blocks,
                       stride, total, os.getpid(), stat[1] if stat else 0,
-                      layout.kv_dtype.encode(), _CREATING, event_ring if register else 0)
-            os.pwrite(fd, _HEADER.pack(*header), 0)  # owner pid first: a crash from here is stale
+                      layout.kv_dtype.encode(), CREATING, event_ring if register else 0)
+            os.pwrite(fd, HEADER_STRUCT.pack(*header), 0)  # owner pid first: a crash from here is stale
             os.ftruncate(fd, total)
             try:
                 os.posix_fallocate(fd, 0, total)
             except OSError as e:
                 raise HostPoolError(f"cannot allocate {total} bytes for {path}: {e}") from None
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            _prefault(mm)
+            prefault(mm)
             pool = cls(name=name, path=path, mm=mm, header=header, owner=True,
                        register_cuda=register, event_ring=event_ring)
-            struct.pack_into("<I", mm, _STATE_OFFSET, _READY)
+            struct.pack_into("<I", mm, STATE_OFFSET, READY)
             return pool
         except BaseException:
             if mm is not None:
@@ -274,7 +147,7 @@ class HostPool:
                     mm.close()
                 except BufferError:
                     pass
-            _unlink_quiet(path)
+            unlink_quiet(path)
             raise
         finally:
             os.close(fd)
@@ -292,7 +165,7 @@ class HostPool:
         except OSError as e:
             raise HostPoolError(f"cannot open host pool segment {path}: {e}") from None
         try:
-            header = _read_header(fd)
+            header = read_header(fd)
             if header is None or header[1] != VERSION:
                 raise HostPoolError(f"{path} is not a version {VERSION} host pool segment")
             total = header[9]
@@ -300,9 +173,9 @@ class HostPool:
         finally:
             os.close(fd)
         try:
-            spin_until(lambda: struct.unpack_from("<I", mm, _STATE_OFFSET)[0] == _READY,
+            spin_until(lambda: struct.unpack_from("<I", mm, STATE_OFFSET)[0] == READY,
                        timeout_s, f"host pool {name} to become ready")
-            header = _HEADER.unpack_from(mm, 0)
+            header = HEADER_STRUCT.unpack_from(mm, 0)
             return cls(name=name, path=path, mm=mm, header=header, owner=False,
                        register_cuda=register, event_ring=header[14])
         except BaseException:
@@ -428,7 +301,7 @@ class HostPool:
         return self._counter.load() == token
 
     def _event_handle(self, slot: int) -> bytes:
-        off = _EVENT_OFFSET + slot * _EVENT_SLOT
+        off = EVENT_OFFSET + slot * EVENT_SLOT
         (n,) = struct.unpack_from("<I", self._mm, off)
         return bytes(self._mm[off + 4: off + 4 + n])
 
@@ -485,13 +358,14 @@ class HostPool:
     def _register(self) -> None:
         """cudaHostRegister in chunks of <= 64 GiB, cut at layer boundaries where possible."""
         cudart = _cudart()
-        for ptr, size in _register_chunks(self._base, HEADER_BYTES, self.layer_stride,
+        for ptr, size in register_chunks(self._base, HEADER_BYTES, self.layer_stride,
                                           self.layout.num_layers):
-            rc = cudart.cudaHostRegister(ptr, size, _REGISTER_FLAGS)
+            rc = cudart.cudaHostRegister(ptr, size, REGISTER_FLAGS)
             if rc != cudart.cudaError.success:
                 self._unregister()
-                raise HostPoolError(f"cudaHostRegister({ptr:#x}, {size}) of host pool "
-                                    f"{self.name} failed: {rc}")
+                why = cudart.cudaGetErrorString(rc)
+                raise HostPoolError(f"cudaHostRegister({ptr:#x}, {size} bytes) of host pool "
+                                    f"{self.name} failed: {why}")
             self._registered.append(ptr)
 
     def _unregister(self) -> None:
@@ -502,35 +376,3 @@ class HostPool:
         for ptr in self._registered:
             cudart.cudaHostUnregister(ptr)
         self._registered = []
-
-
-def _register_chunks(base: int, header: int, stride: int, layers: int) -> list[tuple[int, int]]:
-    """(ptr, size) ranges covering the segment, each <= MAX_REGISTER_BYTES; a layer region is never
-    split unless it alone exceeds the limit."""
-    chunks: list[tuple[int, int]] = []
-    start, end = base, base + header
-    for _ in range(layers):
-        if end - start + stride <= MAX_REGISTER_BYTES:
-            end += stride
-            continue
-        if end > start:
-            chunks.append((start, end - start))
-        start, remaining = end, stride
-        while remaining > MAX_REGISTER_BYTES:
-            chunks.append((start, MAX_REGISTER_BYTES))
-            start += MAX_REGISTER_BYTES
-            remaining -= MAX_REGISTER_BYTES
-        end = start + remaining
-    if end > start:
-        chunks.append((start, end - start))
-    return chunks
-
-
-def _prefault(mm: mmap.mmap) -> None:
-    """Fault every page in now (MADV_POPULATE_WRITE, else one write per page)."""
-    try:
-        mm.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError):
-        arr = np.frombuffer(mm, dtype=np.uint8)
-        arr[:: mmap.PAGESIZE] = 0
-        del arr

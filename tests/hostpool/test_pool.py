@@ -13,7 +13,7 @@ import torch
 from hisparse_ray.config import GIB, HiSparseConfig, KVLayout
 from hisparse_ray.errors import HostPoolError
 from hisparse_ray.hostpool import (
-    HEADER_BYTES, MAX_REGISTER_BYTES, HostPool, HostSharing, _register_chunks, cleanup_stale,
+    HEADER_BYTES, MAX_REGISTER_BYTES, HostPool, HostSharing, cleanup_stale, register_chunks,
     list_segments, mem_available_bytes, physical_pool_bytes, pool_bytes,
 )
 from tests.hostpool import _hammer
@@ -159,11 +159,11 @@ def test_teardown_leaves_nothing_after_a_killed_peer():
 def test_register_chunks_cover_the_segment_within_the_limit():
     gib = GIB
     for stride, layers in [(8 * gib, 61), (100 * gib, 3), (64 * gib, 2), (4096, 1)]:
-        chunks = _register_chunks(0, HEADER_BYTES, stride, layers)
+        chunks = register_chunks(0, HEADER_BYTES, stride, layers)
         assert chunks[0][0] == 0
         assert all(size <= MAX_REGISTER_BYTES for _, size in chunks)
         assert sum(size for _, size in chunks) == HEADER_BYTES + stride * layers
         assert all(a + s == b for (a, s), (b, _) in zip(chunks, chunks[1:]))
     # 8 GiB layers: chunk borders fall on layer borders
-    for ptr, size in _register_chunks(0, HEADER_BYTES, 8 * gib, 61)[1:]:
+    for ptr, size in register_chunks(0, HEADER_BYTES, 8 * gib, 61)[1:]:
         assert (ptr - HEADER_BYTES) % (8 * gib) == 0

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from hisparse_ray.hostpool import _pid_alive, cleanup_stale, list_segments
+from hisparse_ray.hostpool import cleanup_stale, list_segments
+from hisparse_ray.hostsegment import pid_alive
 from tests.hostpool import _hammer
 
 PREFIX = f"hs-test-ray-{os.getpid()}"
@@ -49,7 +50,7 @@ def test_killed_owner_actor_leaves_a_segment_that_cleanup_removes(ray_cluster):
     pid = ray.get(owner.pid.remote())
     ray.kill(owner)
     deadline = time.monotonic() + 30
-    while _pid_alive(pid, 0) and time.monotonic() < deadline:
+    while pid_alive(pid, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert name in list_segments(PREFIX)
     assert cleanup_stale(PREFIX) == [name]
