@@ -12,16 +12,24 @@ Sequence bookkeeping: a prompt of P tokens lands the KV of positions ``0..P-2``;
 step feeds ``prompt[P-1]`` with ``seq_len = P`` and samples the first new token. Each step with
 ``seq_len = n`` writes position ``n-1``; a request therefore writes ``P + max_new_tokens - 1``
 positions over its life.
+
+Worker contract for one StepCommand (identical on every rank but ``rank``): apply
+``table_diffs`` (the first command that names a request carries every page of it), drop state of
+``released`` requests, enqueue ``transfers`` on the stream in order, run the forward of ``batch``
+(reset a request's hot slots whenever its ``hot_blocks`` change, e.g. after a spill conversion),
+then the ``backups`` on the side stream; report each transfer id enqueued and completed, and
+(rank 0 only) one sampled token per batch row, in a StepReport naming any emitted step. Device
+blocks are released on *enqueued*, which is safe for work ordered after the worker's stream; a
+landing path that writes device blocks outside that stream must order itself after it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hisparse_ray.core.admission import MAX_TOKEN, fits, land, match_prefix, validate_request
 from hisparse_ray.core.config import CoordinatorConfig
-from hisparse_ray.core.device_pool import HOT_GROUP
 from hisparse_ray.core.invariants import check_coordinator
-from hisparse_ray.core.prefix_index import chain_keys
 from hisparse_ray.core.request import Conversion, Page, Request, TransferOp
 from hisparse_ray.core.residency import Residency
 from hisparse_ray.errors import (
@@ -29,12 +37,11 @@ from hisparse_ray.errors import (
     UnknownRankError, UnknownRequestError, UnknownTransferError,
 )
 from hisparse_ray.types import (
-    NO_BLOCK, Admission, Backup, BatchRow, CoordinatorCounters, LandingPage, LandingTarget,
+    Admission, Backup, BatchRow, CoordinatorCounters, LandingTarget,
     PageTransfer, Rank, RequestId, RequestState, RequestView, StepCommand, StepReport,
     TableDiff, TransferKind, TransferId,
 )
 
-_MAX_TOKEN = 1 << 63
 _KIND = {TransferOp.SPILL: TransferKind.SPILL, TransferOp.RESTORE: TransferKind.RESTORE}
 
 
@@ -70,7 +77,7 @@ class Coordinator:
         could never fit (its life exceeds the device pool and host tier alike)."""
         if request_id in self._requests:
             raise DuplicateRequestError(request_id)
-        tokens = self._validate(request_id, prompt_tokens, max_new_tokens, eos_token_id)
+        tokens = validate_request(request_id, prompt_tokens, max_new_tokens, eos_token_id)
         cfg = self.config
         life = cfg.pages_for(len(tokens) + max_new_tokens - 1)
         resident_ever = life <= cfg.num_device_blocks
@@ -80,10 +87,10 @@ class Coordinator:
         req = Request(RequestId(request_id), tokens, len(tokens), max_new_tokens, eos_token_id,
                       LandingTarget.RESIDENT, LandingTarget.RESIDENT)
         req.written = len(tokens) - 1
-        matched = self._match(req)
-        if not self._waiting and self._fits(req, LandingTarget.RESIDENT, matched):
+        matched = match_prefix(self.res, req)
+        if not self._waiting and fits(self.res, req, LandingTarget.RESIDENT, matched):
             target = LandingTarget.RESIDENT
-        elif not self._waiting and host_ever and self._fits(req, LandingTarget.HOST, matched):
+        elif not self._waiting and host_ever and fits(self.res, req, LandingTarget.HOST, matched):
             target = LandingTarget.HOST
         else:
             target = LandingTarget.RESIDENT if resident_ever else LandingTarget.HOST
@@ -95,7 +102,7 @@ class Coordinator:
             return None
         req.target = req.tier = target
         self._record(req)
-        return self._land(req, matched)
+        return land(self.res, req, matched)
 
     def _record(self, req: Request) -> None:
         self._requests[req.rid] = req
@@ -107,69 +114,13 @@ class Coordinator:
         out: list[Admission] = []
         while self._waiting:
             req = self._requests[self._waiting[0]]
-            matched = self._match(req)
-            if not self._fits(req, req.target, matched):
+            matched = match_prefix(self.res, req)
+            if not fits(self.res, req, req.target, matched):
                 self._relieve(req)
                 break
             self._waiting.pop(0)
-            out.append(self._land(req, matched))
+            out.append(land(self.res, req, matched))
         return tuple(out)
-
-    def _validate(self, rid, prompt, max_new, eos) -> list[int]:
-        if not isinstance(rid, str):
-            raise InvalidRequestError(rid, "request id must be a str")
-        tokens = list(prompt)
-        if not tokens:
-            raise InvalidRequestError(rid, "prompt must hold at least one token")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _MAX_TOKEN:
-                raise InvalidRequestError(rid, f"token {t!r} is not an int in [0, 2**63)")
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-            raise InvalidRequestError(rid, f"max_new_tokens={max_new!r} must be an int >= 1")
-        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
-            raise InvalidRequestError(rid, f"eos_token_id={eos!r} must be an int or None")
-        return tokens
-
-    def _match(self, req: Request) -> list:
-        """Published host blocks of the longest matching run of full landed pages."""
-        return self.host.index.match(chain_keys(req.tokens[:req.prompt_len - 1], self.config.page_size))
-
-    def _fits(self, req: Request, target: LandingTarget, matched: list) -> bool:
-        n0 = self.config.pages_for(req.prompt_len)
-        if target is LandingTarget.RESIDENT:
-            return self.device.num_free >= n0
-        if self.device.num_free < self.config.hot_blocks_per_request:
-            return False
-        reusable_cached = sum(1 for b in matched if self.host.is_cached(b))
-        return self.host.available() - reusable_cached >= n0 - len(matched)
-
-    def _land(self, req: Request, matched: list) -> Admission:
-        cfg = self.config
-        n0 = cfg.pages_for(req.prompt_len)
-        for b in matched:
-            self.host.acquire(b)
-        self.res.stats["prefix_hit_pages"] += len(matched)
-        if req.target is LandingTarget.RESIDENT:
-            blocks = self.device.lease(n0, req.rid)
-            assert blocks is not None
-            req.pages = [Page(device=d) for d in blocks]
-            for i, b in enumerate(matched):
-                req.pages[i].host, req.pages[i].reused, req.pages[i].host_rows = b, True, cfg.page_size
-            if matched:
-                self.res.start_restore(req, list(range(len(matched))))
-        else:
-            fresh = self.host.allocate(n0 - len(matched))
-            hot = self.device.lease(cfg.hot_blocks_per_request, req.rid, HOT_GROUP)
-            assert fresh is not None and hot is not None
-            req.pages = [Page(host=b, reused=True, host_rows=cfg.page_size) for b in matched]
-            req.pages += [Page(host=b) for b in fresh]
-            req.hot = list(hot)
-        req.state = RequestState.LANDING
-        self.res.stats["admitted"] += 1
-        pages = tuple(LandingPage(i, *p.entry(), reused=p.reused) if req.target is LandingTarget.HOST
-                      else LandingPage(i, NO_BLOCK, p.entry()[1], reused=p.reused)
-                      for i, p in enumerate(req.pages))
-        return Admission(req.rid, req.target, req.prompt_len - 1, pages, tuple(req.hot))
 
     def apply_landed(self, request_id: RequestId) -> None:
         """The prefill path wrote every non-reused page: host pages become valid (full ones are
@@ -339,7 +290,7 @@ class Coordinator:
                 raise UnknownRequestError(rid)
             if rid in seen or req.awaiting_step != report.step:
                 raise StateError(f"request {rid!r} has no token due for step {report.step}")
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < _MAX_TOKEN:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < MAX_TOKEN:
                 raise InvalidRequestError(rid, f"sampled token {tok!r} is not an int in [0, 2**63)")
             seen.add(rid)
 

@@ -14,7 +14,7 @@ from hisparse_ray.core.config import CoordinatorConfig
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.core.reference_worker import ReferenceWorker
 from hisparse_ray.errors import (
-    CapacityError, DoubleFreeError, DuplicateRequestError, HiSparseError, StateError,
+    CapacityError, DoubleFreeError, DuplicateRequestError, StateError,
     UnknownRankError, UnknownRequestError, UnknownTransferError,
 )
 from hisparse_ray.types import Rank, RequestState, StepReport, TransferId
@@ -174,5 +174,3 @@ class RandomDriver:
             out.append(f"invariant: {e}")
         return out
 
-
-__all__ = ["RandomDriver", "HiSparseError"]

@@ -1,0 +1,87 @@
+"""Admission helpers of the coordinator: request validation, prefix match, fit test, landing plan
+(pure ring).
+
+Landing plan per page: a resident target gets a device block for every page of positions
+``0..P-1``; matched prefix pages are marked reused and restored from their host blocks by the
+coordinator (a RESTORE transfer), the rest are landed by the prefill path. A host target gets a
+host block per page (matched ones shared, ref-counted) plus a hot buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hisparse_ray.core.device_pool import HOT_GROUP
+from hisparse_ray.core.prefix_index import chain_keys
+from hisparse_ray.core.request import Page, Request
+from hisparse_ray.core.residency import Residency
+from hisparse_ray.errors import InvalidRequestError
+from hisparse_ray.types import (
+    NO_BLOCK, Admission, HostBlockId, LandingPage, LandingTarget, RequestState,
+)
+
+MAX_TOKEN = 1 << 63
+
+
+def validate_request(rid: object, prompt: Sequence[int], max_new: object, eos: object) -> list[int]:
+    """The prompt as a list; InvalidRequestError for a bad id, prompt, max_new_tokens or eos."""
+    if not isinstance(rid, str):
+        raise InvalidRequestError(rid, "request id must be a str")
+    tokens = list(prompt)
+    if not tokens:
+        raise InvalidRequestError(rid, "prompt must hold at least one token")
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < MAX_TOKEN:
+            raise InvalidRequestError(rid, f"token {t!r} is not an int in [0, 2**63)")
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        raise InvalidRequestError(rid, f"max_new_tokens={max_new!r} must be an int >= 1")
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
+        raise InvalidRequestError(rid, f"eos_token_id={eos!r} must be an int or None")
+    return tokens
+
+
+def match_prefix(res: Residency, req: Request) -> list[HostBlockId]:
+    """Published host blocks of the longest matching run of full landed pages."""
+    return res.host.index.match(chain_keys(req.tokens[:req.prompt_len - 1], res.ps))
+
+
+def fits(res: Residency, req: Request, target: LandingTarget, matched: list[HostBlockId]) -> bool:
+    """Whether ``target`` can be leased now: resident = every page of positions ``0..P-1`` in free
+    device blocks; host = a hot buffer in free device blocks and the unmatched pages in the host
+    pool (matched blocks that sit in the LRU do not count as available: they will be shared)."""
+    n0 = res.config.pages_for(req.prompt_len)
+    if target is LandingTarget.RESIDENT:
+        return res.device.num_free >= n0
+    if res.device.num_free < res.hot_n:
+        return False
+    reusable_cached = sum(1 for b in matched if res.host.is_cached(b))
+    return res.host.available() - reusable_cached >= n0 - len(matched)
+
+
+def land(res: Residency, req: Request, matched: list[HostBlockId]) -> Admission:
+    """Lease the landing target of a request that ``fits`` and return its landing plan."""
+    ps = res.ps
+    n0 = res.config.pages_for(req.prompt_len)
+    for b in matched:
+        res.host.acquire(b)
+    res.stats["prefix_hit_pages"] += len(matched)
+    if req.target is LandingTarget.RESIDENT:
+        blocks = res.device.lease(n0, req.rid)
+        assert blocks is not None
+        req.pages = [Page(device=d) for d in blocks]
+        for i, b in enumerate(matched):
+            req.pages[i].host, req.pages[i].reused, req.pages[i].host_rows = b, True, ps
+        if matched:
+            res.start_restore(req, list(range(len(matched))))
+        plan = tuple(LandingPage(i, NO_BLOCK, p.entry()[1], p.reused) for i, p in enumerate(req.pages))
+    else:
+        fresh = res.host.allocate(n0 - len(matched))
+        hot = res.device.lease(res.hot_n, req.rid, HOT_GROUP)
+        assert fresh is not None and hot is not None
+        req.pages = [Page(host=b, reused=True, host_rows=ps) for b in matched]
+        req.pages += [Page(host=b) for b in fresh]
+        req.hot = list(hot)
+        plan = tuple(LandingPage(i, *p.entry(), p.reused) for i, p in enumerate(req.pages))
+    req.state = RequestState.LANDING
+    res.stats["admitted"] += 1
+    return Admission(req.rid, req.target, req.prompt_len - 1, plan, tuple(req.hot))
