@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--plain-mib", type=int, default=1024, help="size of the plain pinned copy")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI / CPU check)")
+    ap.add_argument("--separate-layers", action="store_true",
+                    help="one device allocation per layer (no stacked gather/scatter)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "copies.json"))
     a = ap.parse_args()
     if a.smoke:
@@ -65,8 +67,12 @@ def main() -> None:
     layout = KVLayout(num_layers=a.layers, page_size=a.page_size, row_bytes=a.row_bytes)
     g = torch.Generator().manual_seed(0)
     rows_dev = a.device_blocks * a.page_size
-    dev_layers = [torch.randint(0, 256, (rows_dev, a.row_bytes), dtype=torch.uint8, generator=g)
-                  .to(device) for _ in range(a.layers)]
+    if a.separate_layers:
+        dev_layers = [torch.randint(0, 256, (rows_dev, a.row_bytes), dtype=torch.uint8,
+                                    generator=g).to(device) for _ in range(a.layers)]
+    else:  # one [L, rows, row_bytes] allocation, as the worker runtime allocates its device pool
+        dev_layers = list(torch.randint(0, 256, (a.layers, rows_dev, a.row_bytes), dtype=torch.uint8,
+                                        generator=g).to(device).unbind(0))
     results: dict[str, dict] = {}
     with HostPool.create("bench", layout, a.host_blocks) as pool:
         # copy-engine limit: one large copy between a pinned host buffer and device memory
@@ -93,12 +99,22 @@ def main() -> None:
         pages = min(a.pages, a.device_blocks, a.host_blocks)
         pairs = [(i, (i * 7) % a.host_blocks) for i in range(pages)]
         page_bytes = pages * layout.block_bytes
-        results[f"spill {pages} pages"] = _measure(
+        results[f"spill {pages} x spill_page"] = _measure(
             lambda: [copies.spill_page(dev_layers, pool, d, h, stream) for d, h in pairs],
             page_bytes, device, stream, a.iters)
-        results[f"restore {pages} pages"] = _measure(
+        results[f"restore {pages} x restore_page"] = _measure(
             lambda: [copies.restore_page(dev_layers, pool, d, h, stream) for d, h in pairs],
             page_bytes, device, stream, a.iters)
+        page_modes = [("memcpy", False), ("uva", True)] if pool.device_layer(0) is not None \
+            else [("", False)]
+        for label, uva in page_modes:
+            tag = f" ({label})" if label else ""
+            results[f"spill_pages {pages}{tag}"] = _measure(
+                lambda: copies.spill_pages(dev_layers, pool, pairs, stream, use_uva=uva),
+                page_bytes, device, stream, a.iters)
+            results[f"restore_pages {pages}{tag}"] = _measure(
+                lambda: copies.restore_pages(dev_layers, pool, pairs, stream, use_uva=uva),
+                page_bytes, device, stream, a.iters)
         src = torch.randperm(rows_dev, generator=g)[: a.rows]
         dst = torch.randperm(pool.rows, generator=g)[: a.rows]
         row_bytes = a.rows * a.row_bytes * a.layers
@@ -113,14 +129,16 @@ def main() -> None:
                 row_bytes, device, stream, a.iters)
         registered = pool.registered
     limit = {"H2D": results["plain H2D (limit)"]["gbps"], "D2H": results["plain D2H (limit)"]["gbps"]}
-    direction = lambda k: "D2H" if k.startswith(("spill", "backup", "plain D2H")) else "H2D"  # noqa: E731
+    def direction(k: str) -> str:
+        return "D2H" if k.startswith(("spill", "backup", "plain D2H")) else "H2D"
+
     print(f"device={device} layers={a.layers} row_bytes={a.row_bytes} page={a.page_size} "
-          f"registered={registered}")
-    print(f"{'op':<28}{'dir':>5}{'MiB':>10}{'ms':>10}{'GB/s':>9}{'% limit':>9}")
+          f"registered={registered} stacked_device_layers={not a.separate_layers}")
+    print(f"{'op':<32}{'dir':>5}{'MiB':>10}{'ms':>10}{'GB/s':>9}{'% limit':>9}")
     for k, r in results.items():
         d = direction(k)
         r["dir"], r["pct_of_limit"] = d, 100 * r["gbps"] / limit[d]
-        print(f"{k:<28}{d:>5}{r['bytes'] / 2**20:>10.1f}{r['ms']:>10.3f}{r['gbps']:>9.2f}"
+        print(f"{k:<32}{d:>5}{r['bytes'] / 2**20:>10.1f}{r['ms']:>10.3f}{r['gbps']:>9.2f}"
               f"{r['pct_of_limit']:>8.0f}%")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),

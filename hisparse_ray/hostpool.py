@@ -81,13 +81,17 @@ class HostPool:
         self._finalizer = weakref.finalize(self, unlink_quiet, path) if owner else None
         if register_cuda:
             self._register()
-            if event_ring:
-                self._ring = IpcEventRing(event_ring, owner=owner)
-                if owner:
-                    for slot in range(event_ring):
-                        h = self._ring.handle(slot)
-                        off = EVENT_OFFSET + slot * EVENT_SLOT
-                        struct.pack_into(f"<I{len(h)}s", mm, off, len(h), h)
+            try:
+                if event_ring:
+                    self._ring = IpcEventRing(event_ring, owner=owner)
+                    if owner:
+                        for slot in range(event_ring):
+                            h = self._ring.handle(slot)
+                            off = EVENT_OFFSET + slot * EVENT_SLOT
+                            struct.pack_into(f"<I{len(h)}s", mm, off, len(h), h)
+            except BaseException:
+                self._unregister()
+                raise
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -151,6 +155,17 @@ class HostPool:
             raise
         finally:
             os.close(fd)
+
+    @classmethod
+    def create_for_capacity(cls, replica_id: str, layout: KVLayout, host_pool_gib: float,
+                            register_cuda: bool | None = None, **kwargs: Any) -> "HostPool":
+        """Rank 0: a pool of ``host_pool_gib`` usable capacity rounded down to whole host blocks
+        (:meth:`KVLayout.host_blocks`; ``HiSparseConfig.host_pool_gib``)."""
+        num_blocks = layout.host_blocks(host_pool_gib)
+        if num_blocks < 1:
+            raise HostPoolError(f"host_pool_gib={host_pool_gib} holds no whole host block "
+                                f"({layout.block_bytes} bytes each)")
+        return cls.create(replica_id, layout, num_blocks, register_cuda, **kwargs)
 
     @classmethod
     def attach(cls, name: str, register_cuda: bool | None = None, *, shm_dir: str = SHM_DIR,

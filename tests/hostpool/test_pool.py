@@ -53,7 +53,9 @@ def test_capacity_from_config_and_header_roundtrip():
     cfg = HiSparseConfig(host_pool_gib=0.001)
     n = LAYOUT.host_blocks(cfg.host_pool_gib)
     assert n == int(0.001 * GIB) // LAYOUT.block_bytes
-    with HostPool.create("cfg", LAYOUT, n, register_cuda=False, prefix=PREFIX) as pool:
+    with HostPool.create_for_capacity("cfg", LAYOUT, cfg.host_pool_gib, register_cuda=False,
+                                      prefix=PREFIX) as pool:
+        assert pool.num_blocks == n
         assert pool.nbytes == pool_bytes(LAYOUT, n) == os.stat(pool.path).st_size
         assert pool.rows * LAYOUT.bytes_per_token_layer * LAYOUT.num_layers <= 0.001 * GIB
 
@@ -88,6 +90,11 @@ def test_refuses_a_pool_over_95_percent_of_available_memory():
     assert str(pool_bytes(LAYOUT, blocks)) in str(info.value)
     err = pickle.loads(pickle.dumps(info.value))
     assert str(err) == str(info.value)
+
+
+def test_capacity_below_one_block_is_refused():
+    with pytest.raises(HostPoolError, match="no whole host block"):
+        HostPool.create_for_capacity("tiny", LAYOUT, 1e-9, register_cuda=False, prefix=PREFIX)
 
 
 @pytest.mark.parametrize("bad", ["", "a/b"])
