@@ -121,7 +121,11 @@ class Replica:
             ray.get([r.shutdown.remote() for r in self.ranks], timeout=30)
         except Exception:
             pass
-        for a in [self.coordinator, *self.ranks]:
+        try:
+            ray.get([p.shutdown.remote() for p in self.prefill], timeout=30)
+        except Exception:
+            pass
+        for a in [self.coordinator, *self.ranks, *self.prefill]:
             ray.kill(a, no_restart=True)
         remove_placement_group(self.pg)
 
@@ -169,8 +173,34 @@ def launch_prefill(spec: PrefillSpec, node_id: str | None = None,
     return handle
 
 
-def connect(replica: Replica, prefill: Any) -> None:
+def connect(replica: Replica, prefill: Any, host_landing: str = "auto") -> str:
     """Step 6: exchange NIXL agent metadata between a prefill worker and the replica's ranks
-    (through the coordinator) and let the coordinator route admissions to it."""
-    ray.get(replica.coordinator.add_prefill.remote(prefill))
+    (through the coordinator) and let the coordinator route admissions to it. Returns the host
+    landing path for this peer ("direct" or "staged"; ``host_landing`` "auto" asks the transport)."""
+    path = ray.get(replica.coordinator.add_prefill.remote(prefill, host_landing))
     replica.prefill.append(prefill)
+    return path
+
+
+def launch_deployment(replica: ReplicaSpec, prefill: PrefillSpec, *,
+                      decode_resources: dict[str, float] | None = None,
+                      prefill_resources: dict[str, float] | None = None) -> Replica:
+    """One prefill worker + one decode replica, connected: the demo's deployment. The resource
+    dicts pin either side to nodes offering them (multi-node tests use custom node resources)."""
+    from hisparse_ray.actors.prefill_worker import PrefillWorker
+
+    # the prefill worker starts while the replica forms (actor start-up costs seconds each)
+    pf = _remote(PrefillWorker, **prefill_options(prefill, None, prefill_resources)).remote(prefill)
+    try:
+        rep = launch_replica(replica, resources=decode_resources)
+    except BaseException:
+        ray.kill(pf, no_restart=True)
+        raise
+    try:
+        ray.get(pf.ready.remote())
+        connect(rep, pf)
+    except BaseException:
+        rep.shutdown()
+        ray.kill(pf, no_restart=True)
+        raise
+    return rep

@@ -109,6 +109,8 @@ class StepReport:
     sampled: tuple[tuple[RequestId, int], ...] = ()
     hot_hits: int = 0
     hot_misses: int = 0
+    # (request, hits, misses) per batch row, summed over anchor layers (added by actors; additive)
+    hits_by_request: tuple[tuple[RequestId, int, int], ...] = ()
 
 
 # --- Coordinator-facing values (added by the core; additive) ------------------------------------

@@ -1,0 +1,333 @@
+"""Coordinator actor (ring 3): wraps the pure coordinator core of one decode replica, drives the
+decode step loop over shared-memory channels to its co-located TP ranks, and lands admitted
+requests through prefill workers (NIXL). Plain class; made remote in
+:mod:`hisparse_ray.actors.launch`.
+
+Threads: Ray method calls (``submit``, ``wait``, ``metrics``...) run on the actor's thread pool;
+one *step thread* emits StepCommands and applies StepReports; one *lander thread* per prefill worker
+runs admissions through prefill and NIXL in FIFO order. The core is only touched under one lock and
+never while waiting on a channel, a NIXL transfer or a Ray call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from hisparse_ray.actors.landing import RankEndpoint
+from hisparse_ray.actors.lander import Lander
+from hisparse_ray.actors.spec import ReplicaSpec
+from hisparse_ray.channel import ChannelPair
+from hisparse_ray.core.config import CoordinatorConfig
+from hisparse_ray.core.coordinator import Coordinator as CoreCoordinator
+from hisparse_ray.errors import (
+    ChannelError, DuplicateRequestError, HiSparseError, StateError, UnknownRequestError,
+)
+from hisparse_ray.types import Admission, RequestId, RequestState
+
+IDLE_WAIT_S = 0.02
+
+
+@dataclass
+class RequestRecord:
+    """Driver-facing progress of one request (times from ``time.monotonic`` in the actor)."""
+
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+    submitted: float
+    landed: float | None = None
+    finished: float | None = None
+    target: str | None = None
+    tokens: tuple[int, ...] = ()  # generated tokens
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    hot_hits: int = 0
+    hot_misses: int = 0
+    landing_bytes: int = 0
+    landing_s: float = 0.0
+    landing_path: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None
+
+    def summary(self) -> dict:
+        decode_s = (self.finished - self.landed) if self.finished and self.landed else None
+        n = len(self.tokens)
+        looked = self.hot_hits + self.hot_misses
+        return {
+            "request_id": self.request_id, "prompt_len": self.prompt_len, "target": self.target,
+            "generated": n, "tokens": list(self.tokens), "finish_reason": self.finish_reason,
+            "error": repr(self.error) if self.error else None,
+            "error_type": type(self.error).__name__ if self.error else None,
+            "latency_s": (self.finished - self.submitted) if self.finished else None,
+            "decode_tokens_per_s": (n / decode_s) if decode_s else None,
+            "hot_hit_rate": (self.hot_hits / looked) if looked else None,
+            "landing_bytes": self.landing_bytes, "landing_s": self.landing_s,
+            "landing_path": self.landing_path,
+        }
+
+
+class Coordinator:
+    """One decode replica's coordinator. Lifecycle: construct (spec, rank handles) -> ``start``
+    (channels + step thread) -> ``add_prefill`` (NIXL metadata exchange; lander thread) ->
+    ``submit`` / ``wait`` / ``result`` -> ``shutdown``.
+
+    Invariant: a request is in exactly one of: waiting in the core, queued for landing, landing,
+    decoding, done (record finished; core state freed). A failed landing releases every lease
+    (``apply_landing_failed``) before the request is reported done with its typed error.
+    """
+
+    def __init__(self, spec: ReplicaSpec, ranks: list[Any]) -> None:
+        self.spec = spec
+        self.ranks = ranks
+        self.endpoints: list[RankEndpoint] = ray.get([r.endpoint.remote() for r in ranks])
+        self.core_config = CoordinatorConfig.from_hisparse(
+            spec.hisparse, spec.layout, spec.num_device_blocks, tp_size=spec.tp_size,
+            max_batch=spec.max_batch)
+        self.core = CoreCoordinator(self.core_config)
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.records: dict[str, RequestRecord] = {}
+        self._prompts: dict[str, list[int]] = {}
+        self._route: dict[str, int] = {}
+        self._channels: list[ChannelPair] = []
+        self._landers: list[Lander] = []
+        self._next_lander = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._fatal: BaseException | None = None
+        self.hot_hits = self.hot_misses = 0
+        self.step_s: list[float] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open one channel pair per rank, hand the ranks their ends, start the step thread."""
+        if self._thread is not None:
+            raise StateError("coordinator already started")
+        self._channels = [ChannelPair.create() for _ in self.ranks]
+        ray.get([r.attach_channel.remote(ch.spec) for r, ch in zip(self.ranks, self._channels)])
+        self._thread = threading.Thread(target=self._step_loop, name="coordinator-steps", daemon=True)
+        self._thread.start()
+
+    def add_prefill(self, prefill: Any, host_landing: str = "auto") -> str:
+        """Exchange NIXL agent metadata between ``prefill`` and every rank (both directions) and
+        start a lander thread for it. ``host_landing``: "auto" (direct when the transport writes
+        host memory natively from the prefill's send buffer, else staged), "direct" or "staged".
+        Returns the path chosen for this peer's host landings."""
+        if host_landing not in ("auto", "direct", "staged"):
+            raise ValueError(f"host_landing must be auto, direct or staged, got {host_landing!r}")
+        agent, md = ray.get(prefill.endpoint.remote())
+        for ep in self.endpoints:
+            ray.get(prefill.add_peer.remote(ep.metadata))
+        ray.get([r.add_peer.remote(md) for r in self.ranks])
+        direct = ray.get(prefill.direct_host_write.remote(self.endpoints[0].agent))
+        if host_landing != "auto":
+            direct = host_landing == "direct"
+        if not direct and not self.endpoints[0].staging_layers:
+            raise StateError("the prefill peer cannot write host memory natively and the replica "
+                             "has no staging pool (staging_blocks=0)")
+        lander = Lander(self, prefill, agent, direct=direct)
+        self._landers.append(lander)
+        lander.start()
+        return lander.path
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for lander in self._landers:
+            lander.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for ch in self._channels:
+            ch.close()
+        self._channels = []
+
+    # -- requests ------------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: list[int], max_new_tokens: int,
+               eos_token_id: int | None = None, prefill: int | None = None) -> str:
+        """Admit a request (typed error for bad input); returns "landing" or "waiting".
+        ``prefill``: index of the prefill worker (in ``add_prefill`` order) that lands it; None =
+        round robin."""
+        with self.lock:
+            if self._fatal is not None:
+                raise StateError(f"replica failed: {self._fatal!r}")
+            if not self._landers:
+                raise StateError("no prefill worker connected (add_prefill first)")
+            if prefill is not None and not 0 <= prefill < len(self._landers):
+                raise ValueError(f"prefill index {prefill} not in 0..{len(self._landers) - 1}")
+            if request_id in self.records:
+                raise DuplicateRequestError(request_id)
+            adm = self.core.admit(RequestId(request_id), list(prompt), max_new_tokens, eos_token_id)
+            self.records[request_id] = RequestRecord(request_id, len(prompt), max_new_tokens,
+                                                     time.monotonic())
+            self._prompts[request_id] = list(prompt)
+            if prefill is not None:
+                self._route[request_id] = prefill
+            if adm is not None:
+                self._dispatch(adm)
+        self._wake.set()
+        return "landing" if adm is not None else "waiting"
+
+    def _dispatch(self, adm: Admission) -> None:
+        """(lock held) Queue an admitted request on the next lander, round robin."""
+        rec = self.records[adm.request_id]
+        rec.target = adm.target.value
+        index = self._route.pop(adm.request_id, None)
+        if index is None:
+            index = self._next_lander % len(self._landers)
+            self._next_lander += 1
+        lander = self._landers[index]
+        lander.enqueue(adm, self._prompts[adm.request_id])
+
+    def landed(self, request_id: str, nbytes: int, seconds: float, path: str) -> None:
+        """Lander callback: the request's KV and index keys are on every rank."""
+        with self.lock:
+            self.core.apply_landed(RequestId(request_id))
+            rec = self.records[request_id]
+            rec.landed = time.monotonic()
+            rec.landing_bytes, rec.landing_s, rec.landing_path = nbytes, seconds, path
+        self._wake.set()
+
+    def landing_failed(self, request_id: str, error: BaseException) -> None:
+        """Lander callback: the landing failed after its retries; release every lease now."""
+        with self.cond:
+            self.core.apply_landing_failed(RequestId(request_id))
+            rec = self.records[request_id]
+            rec.error = error
+            self._collect(request_id)
+            self.cond.notify_all()
+        self._wake.set()
+
+    def endpoints_view(self) -> list[dict]:
+        """The ranks' NIXL endpoints (agent, node, region counts) for tools and tests."""
+        return [{"rank": ep.rank, "agent": ep.agent, "node_id": ep.node_id,
+                 "host_regions": len(ep.host_layers), "device_regions": len(ep.device_layers),
+                 "staging_regions": len(ep.staging_layers), "staging_blocks": ep.staging_blocks}
+                for ep in self.endpoints]
+
+    def wait(self, request_ids: list[str] | None = None, timeout: float | None = None) -> list[dict]:
+        """Block until the requests are done (all known ones if None); returns their summaries.
+        TimeoutError if not done within ``timeout`` s."""
+        with self.cond:
+            ids = list(self.records) if request_ids is None else list(request_ids)
+            for rid in ids:
+                if rid not in self.records:
+                    raise UnknownRequestError(rid)
+            ok = self.cond.wait_for(
+                lambda: all(self.records[r].done for r in ids) or self._fatal is not None, timeout)
+            if self._fatal is not None:
+                raise StateError(f"replica failed: {self._fatal!r}")
+            if not ok:
+                raise TimeoutError(f"requests not done after {timeout} s: "
+                                   f"{[r for r in ids if not self.records[r].done]}")
+            return [self.records[r].summary() for r in ids]
+
+    def result(self, request_id: str) -> list[int]:
+        """Generated tokens of a done request; re-raises its typed error if it failed."""
+        (summary,) = self.wait([request_id])
+        rec = self.records[request_id]
+        if rec.error is not None:
+            raise rec.error
+        return list(rec.tokens)
+
+    def progress(self) -> dict[str, tuple[int, int, bool]]:
+        """request id -> (generated so far, max_new_tokens, done)."""
+        with self.lock:
+            out = {}
+            for rid, rec in self.records.items():
+                n = len(rec.tokens)
+                if not rec.done and rec.landed is not None:
+                    try:
+                        n = self.core.view(RequestId(rid)).num_generated
+                    except UnknownRequestError:
+                        pass
+                out[rid] = (n, rec.max_new_tokens, rec.done)
+            return out
+
+    def metrics(self) -> dict:
+        """Core counters, hot-buffer hits/misses, host pool use, step timings."""
+        with self.lock:
+            c = self.core.counters
+            self.core.check_invariants()
+        looked = self.hot_hits + self.hot_misses
+        steps = sorted(self.step_s)
+        return {
+            "counters": {k: getattr(c, k) for k in c.__slots__},
+            "hot_hits": self.hot_hits, "hot_misses": self.hot_misses,
+            "hot_hit_rate": (self.hot_hits / looked) if looked else None,
+            "host_pool_blocks": c.host_blocks_total,
+            "host_pool_used_blocks": c.host_blocks_used,
+            "host_pool_cached_blocks": c.host_blocks_cached,
+            "host_pool_bytes": c.host_blocks_total * self.spec.layout.block_bytes,
+            "steps": len(steps),
+            "step_ms_median": steps[len(steps) // 2] * 1e3 if steps else None,
+            "landing_paths": [lander.path for lander in self._landers],
+        }
+
+    # -- the step loop -----------------------------------------------------------------------------
+    def _step_loop(self) -> None:
+        timeout = self.spec.step_timeout_s
+        try:
+            while not self._stop.is_set():
+                with self.lock:
+                    for adm in self.core.poll_waiting():
+                        self._dispatch(adm)
+                    cmds = self.core.take_commands()
+                if not cmds:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                t0 = time.perf_counter()
+                for ch, cmd in zip(self._channels, cmds):
+                    ch.send(cmd, timeout)
+                reports = [ch.recv(timeout) for ch in self._channels]
+                self.step_s.append(time.perf_counter() - t0)
+                with self.cond:
+                    for rep in reports:
+                        self.core.apply_report(rep)
+                    self._account(cmds[0], reports[0])
+                    self.cond.notify_all()
+        except (ChannelError, HiSparseError) as err:
+            with self.cond:
+                self._fatal = err
+                self.cond.notify_all()
+        except BaseException as err:  # pragma: no cover - surfaced to every waiter
+            with self.cond:
+                self._fatal = err
+                self.cond.notify_all()
+            raise
+
+    def _account(self, cmd, report) -> None:
+        """(lock held) Hot-buffer counters and finished requests after a step."""
+        self.hot_hits += report.hot_hits
+        self.hot_misses += report.hot_misses
+        per_request = getattr(report, "hits_by_request", ())
+        for rid, hits, misses in per_request:
+            rec = self.records.get(rid)
+            if rec is not None:
+                rec.hot_hits += hits
+                rec.hot_misses += misses
+        for row in cmd.batch:
+            rid = row.request_id
+            view = self.core.view(rid)
+            if view.state in (RequestState.FINISHED, RequestState.RELEASED):
+                self._collect(rid)
+
+    def _collect(self, rid: str) -> None:
+        """(lock held) Record a finished request's outcome and let the core forget it."""
+        rec = self.records[rid]
+        if rec.done:
+            return
+        view = self.core.view(RequestId(rid))
+        rec.tokens = view.tokens[view.prompt_len:]
+        rec.finish_reason = view.finish_reason
+        rec.finished = time.monotonic()
+        self.core.free(RequestId(rid))
+        self._prompts.pop(rid, None)

@@ -1,0 +1,146 @@
+"""The lander (ring 3): one thread per prefill worker inside the coordinator actor that takes
+admitted requests in FIFO order through prefill -> NIXL WRITE (direct or via the staging pool) ->
+notification on the decode ranks -> index keys installed -> ``apply_landed``.
+
+Any failure (``TransferError`` / ``TransferTimeoutError`` after the prefill worker's retries, a
+missing notification, a dead prefill worker) ends the request with that typed error and releases
+every lease it held (the coordinator calls the core's ``apply_landing_failed``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from hisparse_ray.actors.landing import (
+    LandingDest, LandingOrder, StagingPool, chunks, page_positions,
+)
+from hisparse_ray.errors import HiSparseError, TransferError
+from hisparse_ray.types import Admission, LandingTarget
+
+if TYPE_CHECKING:
+    from hisparse_ray.actors.coordinator import Coordinator
+
+
+class Lander:
+    """Lands one request at a time for one prefill worker.
+
+    path: "direct" (WRITE into rank 0's host pool) or "staged" (WRITE into rank 0's staging pool in
+    chunks of at most its capacity, then a local copy into host blocks). Resident landings always
+    WRITE every rank's device pool.
+    """
+
+    def __init__(self, coord: "Coordinator", prefill: Any, agent: str, *, direct: bool) -> None:
+        self.coord, self.prefill, self.agent = coord, prefill, agent
+        self.path = "direct" if direct else "staged"
+        ep0 = coord.endpoints[0]
+        self.staging = StagingPool(ep0.staging_blocks) if ep0.staging_blocks else None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"lander-{agent}", daemon=True)
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def enqueue(self, adm: Admission, prompt: list[int]) -> None:
+        self._queue.put((adm, prompt))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            item = self._queue.get()
+            if item is None:
+                return
+            adm, prompt = item
+            rid = adm.request_id
+            try:
+                nbytes, seconds, path = self.land(adm, prompt)
+            except (HiSparseError, ray.exceptions.RayError, TimeoutError) as err:
+                self._cleanup(rid)
+                self.coord.landing_failed(rid, _unwrap(err))
+                continue
+            self.coord.landed(rid, nbytes, seconds, path)
+
+    def _cleanup(self, rid: str) -> None:
+        try:
+            ray.get([r.drop_landing.remote(rid) for r in self.coord.ranks], timeout=30)
+        except Exception:
+            pass
+        try:
+            ray.get(self.prefill.drop.remote(rid), timeout=30)
+        except Exception:
+            pass
+
+    # -- one request -------------------------------------------------------------------------------
+    def land(self, adm: Admission, prompt: list[int]) -> tuple[int, float, str]:
+        """Prefill, push and install one admission; returns (bytes moved, seconds, path)."""
+        spec, ranks, eps = self.coord.spec, self.coord.ranks, self.coord.endpoints
+        rid, P, T = adm.request_id, spec.page_size, adm.num_positions
+        todo = [(p.page, p.host_block if adm.target is LandingTarget.HOST else p.device_block)
+                for p in adm.pages if not p.reused and page_positions(p.page, P, T)[1] > 0]
+        result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T])))
+        t0 = time.perf_counter()
+        moved = 0
+        timeout = spec.landing_timeout_s * spec.landing_attempts
+        path = "resident"
+        if adm.target is LandingTarget.RESIDENT:
+            dests = tuple(LandingDest(ep.rank, ep.device_layers, tuple(todo), _notif(rid, ep.rank, 0))
+                          for ep in eps)
+            if todo:
+                moved = self._push(rid, dests)
+                ray.get([r.wait_notification.remote(d.notif, timeout) for r, d in zip(ranks, dests)])
+        elif self.path == "direct":
+            path = "direct"
+            dest = LandingDest(0, eps[0].host_layers, tuple(todo), _notif(rid, 0, 0))
+            if todo:
+                moved = self._push(rid, (dest,))
+                ray.get(ranks[0].wait_notification.remote(dest.notif, timeout))
+        else:
+            path = "staged"
+            for i, chunk in enumerate(chunks(todo, self.staging.capacity)):
+                blocks = self.staging.acquire(len(chunk))
+                try:
+                    dest = LandingDest(0, eps[0].staging_layers,
+                                       tuple((page, sb) for (page, _), sb in zip(chunk, blocks)),
+                                       _notif(rid, 0, i))
+                    moved += self._push(rid, (dest,))
+                    ray.get(ranks[0].wait_notification.remote(dest.notif, timeout))
+                    ray.get(ranks[0].unstage.remote(
+                        [(sb, hb) for (_, hb), sb in zip(chunk, blocks)], T,
+                        [page for page, _ in chunk]))
+                finally:
+                    self.staging.release(blocks)
+        keys = ray.put(result.index_keys)
+        host_written = adm.target is LandingTarget.HOST and path == "direct" and bool(todo)
+        ray.get([r.install_landing.remote(rid, keys, host_written) for r in ranks])
+        ray.get(self.prefill.drop.remote(rid))
+        return moved, time.perf_counter() - t0, path
+
+    def _push(self, rid: str, dests: tuple[LandingDest, ...]) -> int:
+        spec = self.coord.spec
+        order = LandingOrder(rid, dests, attempts=spec.landing_attempts,
+                             timeout_s=spec.landing_timeout_s)
+        return ray.get(self.prefill.push.remote(order, spec.page_size))
+
+
+def _notif(rid: str, rank: int, chunk: int) -> bytes:
+    return f"land:{rid}:{rank}:{chunk}".encode()
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """A typed error raised inside another actor reaches us wrapped in RayTaskError; unwrap it."""
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = err.as_instanceof_cause()
+        inner = getattr(err, "cause", None)
+        if isinstance(inner, BaseException):
+            return inner
+        return cause
+    return err

@@ -1,0 +1,137 @@
+"""PrefillWorker (ring 3): runs a prompt through the same model code as decode and pushes the KV rows
+with NIXL WRITEs into the landing target the coordinator picked. Plain class; made remote in
+:mod:`hisparse_ray.actors.launch`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from hisparse_ray.actors.landing import LandingOrder, PrefillResult, write_segments
+from hisparse_ray.actors.spec import PrefillSpec
+from hisparse_ray.errors import CapacityError, StateError
+from hisparse_ray.transfer import MemKind, NixlTransferEngine, TransferEngine, write_with_retry
+
+SEND_REGION = "send"
+
+
+class PrefillWorker:
+    """One prefill process with one NIXL agent.
+
+    Send buffer: ``[L, max_prompt_tokens, row_bytes]`` uint8 on the worker's device, registered once.
+    It holds one prefilled request at a time: ``prefill(rid, tokens)`` fills it, ``push(order)`` (one
+    or more times, e.g. chunk by chunk through a staging pool) WRITEs pages of it, ``drop(rid)`` frees
+    it. Lifecycle: construct -> ``endpoint()`` to decode ranks -> ``add_peer`` theirs -> prefills ->
+    ``shutdown``.
+    """
+
+    def __init__(self, spec: PrefillSpec, engine: TransferEngine | None = None) -> None:
+        if not spec.use_cuda:
+            torch.set_num_threads(1)
+        self.spec = spec
+        self.model = spec.model.build(spec.device)
+        cfg = self.model.cfg
+        itemsize = torch.empty((), dtype=self.model.dtype).element_size()
+        self.row_bytes = cfg.row_dim * itemsize
+        self.num_layers = cfg.num_hidden_layers
+        self.page_bytes_stride = spec.max_prompt_tokens * self.row_bytes
+        self.send = torch.zeros(self.num_layers, spec.max_prompt_tokens, self.row_bytes,
+                                dtype=torch.uint8, device=spec.device)
+        self.engine = engine if engine is not None else NixlTransferEngine(
+            f"prefill-{spec.name}-{id(self):x}")
+        self.engine.register(SEND_REGION, self.send)
+        self._lock = threading.Lock()
+        self._held: tuple[str, int] | None = None  # (request id, positions) in the send buffer
+        self.stats = {"prefills": 0, "pushes": 0, "pushed_bytes": 0, "push_s": 0.0, "prefill_s": 0.0,
+                      "failed_pushes": 0}
+
+    def ready(self) -> str:
+        return self.engine.name
+
+    def node_info(self) -> dict:
+        import os
+
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def endpoint(self) -> tuple[str, bytes]:
+        """(agent name, agent metadata), taken after the send buffer was registered."""
+        return self.engine.name, self.engine.agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.engine.add_peer(metadata)
+
+    def remove_peer(self, peer: str) -> None:
+        self.engine.remove_peer(peer)
+
+    def direct_host_write(self, peer: str) -> bool:
+        """Whether this worker's send buffer can WRITE ``peer``'s host memory at native speed."""
+        source = MemKind.DEVICE if self.send.is_cuda else MemKind.HOST
+        return self.engine.supports_direct_host_write(peer, source)
+
+    def prefill(self, request_id: str, tokens: list[int]) -> PrefillResult:
+        """Run positions ``0..len(tokens)-1`` through the model; keep their KV rows in the send
+        buffer (replacing any earlier request) and return the indexer keys."""
+        T = len(tokens)
+        if T > self.spec.max_prompt_tokens:
+            raise CapacityError("prefill send buffer positions", T, self.spec.max_prompt_tokens)
+        t0 = time.perf_counter()
+        with self._lock:
+            self._held = None
+            keys = None
+            if T:
+                ids = torch.tensor(tokens, dtype=torch.int64, device=self.spec.device)
+                _, rows, keys = self.model.prefill(ids)
+                self.send[:, :T] = rows.contiguous().view(torch.uint8).reshape(
+                    self.num_layers, T, self.row_bytes)
+                if self.send.is_cuda:
+                    torch.cuda.synchronize()
+                keys = keys.float().cpu().numpy()
+            self._held = (request_id, T)
+        dt = time.perf_counter() - t0
+        self.stats["prefills"] += 1
+        self.stats["prefill_s"] += dt
+        return PrefillResult(request_id, T, keys, dt)
+
+    def push(self, order: LandingOrder, page_size: int) -> int:
+        """WRITE ``order``'s pages of the held request (one WRITE + notification per dest, with
+        retries); returns the bytes moved. TransferError / TransferTimeoutError after the last
+        attempt, tagged with the request id."""
+        with self._lock:
+            if self._held is None or self._held[0] != order.request_id:
+                raise StateError(f"request {order.request_id!r} is not held by prefill worker "
+                                 f"{self.spec.name!r} (holds {self._held})")
+            T = self._held[1]
+            t0 = time.perf_counter()
+            moved = 0
+            try:
+                for dest in order.dests:
+                    segs = write_segments(dest, SEND_REGION, self.page_bytes_stride, self.row_bytes,
+                                          page_size, T)
+                    if not segs:
+                        continue
+                    write_with_retry(self.engine, segs, dest.notif, attempts=order.attempts,
+                                     timeout_s=order.timeout_s, request_id=order.request_id)
+                    moved += sum(s.nbytes for s in segs)
+            except Exception:
+                self.stats["failed_pushes"] += 1
+                raise
+            self.stats["pushes"] += 1
+            self.stats["pushed_bytes"] += moved
+            self.stats["push_s"] += time.perf_counter() - t0
+            return moved
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            if self._held is not None and self._held[0] == request_id:
+                self._held = None
+
+    def get_stats(self) -> dict:
+        return dict(self.stats)
+
+    def shutdown(self) -> None:
+        self.engine.close()

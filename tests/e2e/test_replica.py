@@ -1,0 +1,151 @@
+"""End to end on real Ray + real NIXL (UCX over CPU memory) + the tiny model: one decode replica with
+TP 2 and two prefill workers (direct host landing; staged host landing, whose NIXL peers are made
+unreachable in the last test). Every generated token is checked against full-resident decode."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import ray
+
+from hisparse_ray.actors import launch
+from hisparse_ray.actors.reference import full_resident_tokens
+from hisparse_ray.actors.spec import PrefillSpec, ReplicaSpec
+from hisparse_ray.errors import TransferError
+
+pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
+
+SPEC = ReplicaSpec(tp_size=2, num_device_blocks=12, staging_blocks=4, page_size=8,
+                   replica_id="e2e", landing_attempts=2, landing_timeout_s=5.0)
+DIRECT, STAGED = 0, 1
+
+
+@pytest.fixture(scope="module")
+def replica(ray_cluster):
+    from hisparse_ray.actors.prefill_worker import PrefillWorker
+
+    workers = [launch._remote(PrefillWorker, **launch.prefill_options(s)).remote(s)
+               for s in (PrefillSpec(name="direct"), PrefillSpec(name="staged"))]
+    rep = launch.launch_replica(SPEC)
+    ray.get([w.ready.remote() for w in workers])
+    paths = [launch.connect(rep, w, mode) for w, mode in zip(workers, ("auto", "staged"))]
+    assert paths == ["direct", "staged"]  # "auto" on CPU: the transport writes DRAM natively
+    yield rep
+    rep.shutdown()
+
+
+def _run(rep, requests, max_new, prefill=None):
+    for rid, prompt in requests:
+        ray.get(rep.coordinator.submit.remote(rid, prompt, max_new, None, prefill))
+    return {r["request_id"]: r for r in ray.get(rep.coordinator.wait.remote(
+        [rid for rid, _ in requests], 240))}
+
+
+def _reference(requests, max_new):
+    return full_resident_tokens(SPEC.model, [p for _, p in requests], max_new,
+                                [rid for rid, _ in requests])
+
+
+def _prompt(rng, n):
+    return [rng.randrange(1, 96) for _ in range(n)]
+
+
+def test_host_and_resident_landings_tp2_match_full_resident(replica):
+    rng = random.Random(1)
+    # 120-150 positions = 7-9x the 16-slot hot buffer -> host tier; 12 tokens fit the device pool
+    requests = [("h0", _prompt(rng, 150)), ("s0", _prompt(rng, 12)), ("h1", _prompt(rng, 120)),
+                ("s1", [4]), ("h2", _prompt(rng, 131))]
+    rows = _run(replica, requests, 10, DIRECT)
+    ref = _reference(requests, 10)
+    for rid, _ in requests:
+        assert rows[rid]["error"] is None
+        assert rows[rid]["tokens"] == ref[rid], rid
+    assert {rows[r]["target"] for r in ("h0", "h1", "h2")} == {"host"}
+    assert {rows[r]["landing_path"] for r in ("h0", "h1", "h2")} == {"direct"}
+    assert rows["s0"]["target"] == "resident"
+    assert rows["h0"]["landing_bytes"] == 149 * SPEC.layout.bytes_per_token
+    assert 0 <= rows["h0"]["hot_hit_rate"] < 1  # long contexts miss the 16-slot buffer
+    m = ray.get(replica.coordinator.metrics.remote())
+    assert m["counters"]["backups"] > 0 and m["hot_misses"] > 0
+
+
+def test_staged_host_landing_in_chunks_matches_full_resident(replica):
+    rng = random.Random(2)
+    # 100 positions = 13 pages through a 4-block staging pool: 4 chunks
+    requests = [("st0", _prompt(rng, 101)), ("st1", _prompt(rng, 110))]
+    rows = _run(replica, requests, 8, STAGED)
+    ref = _reference(requests, 8)
+    for rid, _ in requests:
+        assert rows[rid]["error"] is None and rows[rid]["target"] == "host"
+        assert rows[rid]["landing_path"] == "staged"
+        assert rows[rid]["tokens"] == ref[rid]
+
+
+def test_prefix_reuse_shares_host_pages_and_stays_exact(replica):
+    rng = random.Random(3)
+    shared = _prompt(rng, 96)
+    first = [("px0", shared + _prompt(rng, 9))]
+    second = [("px1", shared + _prompt(rng, 17))]
+    before = ray.get(replica.coordinator.metrics.remote())["counters"]["prefix_hit_pages"]
+    rows = {**_run(replica, first, 6, DIRECT), **_run(replica, second, 6, DIRECT)}
+    ref = _reference(first + second, 6)
+    for rid in ("px0", "px1"):
+        assert rows[rid]["tokens"] == ref[rid]
+    after = ray.get(replica.coordinator.metrics.remote())["counters"]["prefix_hit_pages"]
+    assert after - before == 96 // SPEC.page_size  # 12 full shared pages reused, not re-landed
+    assert rows["px1"]["landing_bytes"] < rows["px0"]["landing_bytes"]
+
+
+def test_concurrent_submitters_random_routes_hammer(replica):
+    rng = random.Random(5)
+    requests = [(f"c{i}", _prompt(rng, rng.choice([rng.randint(2, 30), rng.randint(60, 160)])))
+                for i in range(8)]
+    routes = [rng.choice([None, DIRECT, STAGED]) for _ in requests]
+    errors: list[BaseException] = []
+
+    def submit(chunk):
+        try:
+            for (rid, prompt), route in chunk:
+                ray.get(replica.coordinator.submit.remote(rid, prompt, 6, None, route))
+        except BaseException as e:
+            errors.append(e)
+
+    pairs = list(zip(requests, routes))
+    threads = [threading.Thread(target=submit, args=(pairs[i::3],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    rows = {r["request_id"]: r for r in ray.get(replica.coordinator.wait.remote(
+        [rid for rid, _ in requests], 300))}
+    ref = _reference(requests, 6)
+    for rid, _ in requests:
+        assert rows[rid]["error"] is None and rows[rid]["tokens"] == ref[rid], rid
+    c = ray.get(replica.coordinator.metrics.remote())["counters"]
+    assert c["device_blocks_used"] == 0 and c["host_blocks_used"] == 0
+
+
+def test_failed_transfer_fails_request_and_leaves_no_lease(replica):
+    """Runs last: it breaks the staged prefill worker for good."""
+    eps = ray.get(replica.coordinator.endpoints_view.remote())
+    broken = replica.prefill[STAGED]
+    for ep in eps:  # the peer's metadata is gone: every WRITE attempt fails
+        ray.get(broken.remove_peer.remote(ep["agent"]))
+    rng = random.Random(4)
+    requests = [("bad-host", _prompt(rng, 140)), ("bad-res", _prompt(rng, 20))]
+    rows = _run(replica, requests, 4, STAGED)
+    for rid, _ in requests:
+        assert rows[rid]["error_type"] == "TransferError", rows[rid]
+        assert rows[rid]["tokens"] == []
+    assert rows["bad-host"]["target"] == "host" and rows["bad-res"]["target"] == "resident"
+    with pytest.raises(TransferError):
+        ray.get(replica.coordinator.result.remote("bad-host"))
+    c = ray.get(replica.coordinator.metrics.remote())["counters"]
+    assert c["device_blocks_used"] == 0 and c["host_blocks_used"] == 0
+    assert ray.get(broken.get_stats.remote())["failed_pushes"] == 2
+    # the replica keeps serving through the healthy peers
+    ok = [("after-fail", _prompt(rng, 60))]
+    assert _run(replica, ok, 4, DIRECT)["after-fail"]["tokens"] == _reference(ok, 4)["after-fail"]
