@@ -164,6 +164,21 @@ class RandomDriver:
             self.op_bad(g)
         self.ops += 1
 
+    def drain(self, rounds: int = 1000) -> None:
+        """Finish every request and deliver every outstanding ack and token; afterwards no lease
+        may be left (the caller checks the pools)."""
+        for rid in self._ids((RequestState.WAITING, RequestState.LANDING, RequestState.RUNNING)):
+            self.coord.finish(rid)
+        self.landing.clear()
+        for _ in range(rounds):
+            self.op_take()
+            for rank in range(self.cfg.tp_size):
+                self.op_report(rank, flush=True)
+            if not self.coord.book.pending and not self.worker.due and not any(
+                    self.coord.view(r).state is RequestState.FINISHED for r in self.coord.request_ids()):
+                return
+        raise AssertionError("drain did not converge")
+
     def check(self) -> list[str]:
         """Run every invariant; returns the violations (empty when all hold)."""
         out = list(self.worker.violations)

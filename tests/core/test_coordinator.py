@@ -224,6 +224,7 @@ def test_spill_before_free_releases_device_blocks_only_after_every_rank_enqueued
     assert c.device.num_free == 0 and all(c.device.pins(d) == 1 for d in range(4))
     ack(c, cmd, ranks=[1], enqueued=True)
     assert c.device.num_free == 3  # block 0 became a's hot buffer, 1..3 were released
+    assert c.counters.published_pages == 0 and c.counters.spills == 0  # not completed yet
     assert c._requests["a"].hot == [0]
     (nxt, _) = c.take_commands()
     assert nxt.batch == ()  # spills not completed yet: a stays out of the batch
@@ -234,6 +235,20 @@ def test_spill_before_free_releases_device_blocks_only_after_every_rank_enqueued
     assert (s3.batch[0].seq_len, s3.batch[0].hot_blocks) == (9, (0,))
     (bk,) = s3.backups
     assert (bk.position, bk.host_block, bk.offset) == (8, 4, 0)
+
+
+def test_waiting_admission_converts_a_resident_request_and_lands_after_enqueued():
+    c = _resident_full()
+    assert c.admit("b", [5, 5, 5], 1) is None  # device full: waits (resident), relieves pressure
+    assert c.counters.conversions_to_host == 1
+    (cmd, _) = c.take_commands()
+    assert [t.kind for t in cmd.transfers] == [TransferKind.SPILL] * 4 and cmd.batch == ()
+    assert c.poll_waiting() == ()  # nothing is freed before every rank enqueued the spills
+    ack(c, cmd, enqueued=True)
+    (adm,) = c.poll_waiting()
+    assert (adm.request_id, adm.target, [p.device_block for p in adm.pages]) == (
+        "b", T.RESIDENT, [3, 2])
+    c.check_invariants()
 
 
 def test_restore_moves_a_host_tier_request_back_to_resident_pages():

@@ -241,4 +241,9 @@ def test_long_random_runs():
             assert d.check() == []
         for name in totals:
             totals[name] += getattr(d.coord.counters, name)
+        d.drain()
+        assert d.check() == []
+        c = d.coord.counters
+        assert (c.device_blocks_used, c.host_blocks_used, c.waiting, c.running) == (0, 0, 0, 0)
+        assert c.host_blocks_cached == len(d.coord.host.index)  # only published pages remain
     assert all(v > 0 for v in totals.values()), totals
