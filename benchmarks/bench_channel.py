@@ -49,7 +49,7 @@ def step_command(step: int, rank: int, batch: int, hot_blocks: int) -> StepComma
     return StepCommand(step, Rank(rank), rows, diffs, transfers, backups)
 
 
-class Rank_:
+class RankWorker:
     """A TP rank: answers each StepCommand with a StepReport (over the channel or as a Ray call)."""
 
     def step(self, cmd: StepCommand) -> StepReport:
@@ -131,7 +131,7 @@ def main() -> None:
     if a.smoke:
         a.iters, a.warmup = 200, 20
     ray.init(address="local", num_cpus=max(a.tp) + 2, include_dashboard=False, log_to_driver=False)
-    RankA, CoordA = ray.remote(num_cpus=0)(Rank_), ray.remote(num_cpus=0)(Coordinator)
+    RankA, CoordA = ray.remote(num_cpus=0)(RankWorker), ray.remote(num_cpus=0)(Coordinator)
     rows, msg_bytes = [], (0, 0)
     try:
         for tp in a.tp:

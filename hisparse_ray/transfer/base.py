@@ -129,7 +129,7 @@ def write_with_retry(engine: TransferEngine, segments: Sequence[WriteSegment],
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     last: TransferError | None = None
-    for attempt in range(attempts):
+    for _ in range(attempts):
         xfer_id = None
         try:
             xfer_id = engine.post_write(segments, notif)

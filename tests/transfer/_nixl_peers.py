@@ -40,12 +40,19 @@ class NixlPeer:
         self.engine = NixlTransferEngine(name)
         self.tensor = None
 
-    def setup(self, nbytes: int, seed: int | None, names: tuple[str, ...] = ("kv",)):
+    def setup(self, nbytes: int, seed: int | None, names: tuple[str, ...] = ("kv",),
+              device: str = "cpu"):
         """Register one region per name (the first holds ``pattern(seed)`` or zeros, the rest
-        zeros); returns (metadata taken after registering, descriptors)."""
-        self.tensor = pattern(nbytes, seed) if seed is not None else torch.zeros(
-            nbytes, dtype=torch.uint8)
-        self.extra = [torch.zeros(nbytes, dtype=torch.uint8) for _ in names[1:]]
+        zeros) on ``device`` ("cpu": pinned when CUDA exists); returns (metadata taken after
+        registering, descriptors)."""
+        def alloc(t: torch.Tensor) -> torch.Tensor:
+            if device == "cuda":
+                return t.cuda()
+            return t.pin_memory() if torch.cuda.is_available() else t
+
+        self.tensor = alloc(pattern(nbytes, seed) if seed is not None else torch.zeros(
+            nbytes, dtype=torch.uint8))
+        self.extra = [alloc(torch.zeros(nbytes, dtype=torch.uint8)) for _ in names[1:]]
         descs = [self.engine.register(n, t) for n, t in zip(names, [self.tensor, *self.extra])]
         return self.engine.agent_metadata(), descs
 
@@ -100,7 +107,7 @@ class NixlPeer:
         while len(got) < count and time.monotonic() < deadline:
             got.extend(self.engine.take_notifications())
             time.sleep(1e-3)
-        return got, self.tensor.numpy().tobytes()
+        return got, self.tensor.cpu().numpy().tobytes()
 
     def deregister_and_metadata(self, name: str = "kv") -> bytes:
         self.engine.deregister(name)

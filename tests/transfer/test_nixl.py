@@ -132,3 +132,29 @@ def test_local_misuse_raises_transfer_error():
     finally:
         engine.close()
         engine.close()  # idempotent
+
+
+@pytest.mark.gpu
+@pytest.mark.ray
+@pytest.mark.parametrize("dst_device", ["cuda", "cpu"])
+def test_gpu_source_lands_byte_exact(ray_cluster, dst_device):
+    """On the GPU node: device region -> another actor's device region (CUDA IPC) or pinned host
+    region (UCX's TCP-emulated path, which the landing code avoids but must still be correct)."""
+    ray = ray_cluster
+    Peer = ray.remote(num_cpus=0, num_gpus=0.5)(P.NixlPeer)
+    src, dst = Peer.remote("gpu-src"), Peer.remote(f"gpu-dst-{dst_device}")
+    try:
+        (_, _), (dst_md, (dst_desc,)) = ray.get(
+            [src.setup.remote(REGION, 5, ("kv",), "cuda"),
+             dst.setup.remote(REGION, None, ("kv",), dst_device)], timeout=120)
+        ray.get(src.add_peer.remote(dst_md), timeout=30)
+        host, device = ray.get(src.supports_direct_host_write.remote(dst_desc.agent), timeout=30)
+        assert host is True and device is False
+        writes = P.random_pages(seed=8, n=128, region_bytes=REGION, page=PAGE)
+        sent = ray.get(src.write.remote(dst_desc, writes, b"gpu-", 32), timeout=120)
+        got, data = ray.get(dst.collect.remote(len(sent)), timeout=60)
+        assert sorted(m for _, m in got) == sorted(sent)
+        assert data == P.expected_after(writes, P.pattern(REGION, 5), REGION).numpy().tobytes()
+    finally:
+        ray.kill(src)
+        ray.kill(dst)
