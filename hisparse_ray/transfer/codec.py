@@ -3,7 +3,7 @@
 Pickling a ``slots=True`` dataclass goes through Python-level ``__getstate__``/``__setstate__``
 per object: a 32-request ``StepCommand`` (~100 small objects) costs hundreds of microseconds each
 way, more than the whole per-step budget. ``WireCodec`` flattens the wire dataclasses to nested
-tuples (pickled by C code) and rebuilds them with their constructors: same objects, ~10x cheaper.
+tuples (pickled by C code) and rebuilds them slot by slot: equal objects, ~5-10x cheaper.
 """
 
 from __future__ import annotations
@@ -43,6 +43,21 @@ def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _fast_constructor(cls: type, names: list[str]) -> Callable[..., Any]:
+    """A positional constructor for a frozen ``slots=True`` dataclass that sets the slots through
+    their descriptors: the generated ``__init__`` of a frozen class pays an ``object.__setattr__``
+    lookup per field (~1.6x slower). Classes with ``__post_init__`` or without slots keep theirs."""
+    if hasattr(cls, "__post_init__") or not all(
+            type(getattr(cls, n, None)).__name__ == "member_descriptor" for n in names):
+        return cls
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    env.update({f"_set_{n}": getattr(cls, n).__set__ for n in names})
+    args = ", ".join(names)
+    body = "".join(f"    _set_{n}(obj, {n})\n" for n in names)
+    exec(f"def make({args}):\n    obj = _new(_cls)\n{body}    return obj\n", env)  # noqa: S102
+    return env["make"]
+
+
 class _Schema:
     """How one wire dataclass is flattened: per field, plain, enum, nested dataclass, or a tuple of
     nested dataclasses (from its resolved type hints)."""
@@ -72,6 +87,7 @@ class _Schema:
                 self.enc.append(None)
                 self.dec.append(None)
         self.plain = all(e is None for e in self.enc)
+        self.make = _fast_constructor(cls, self.names)
         self.get = operator.attrgetter(*self.names)
         if len(self.names) == 1:
             only = self.get
@@ -85,8 +101,8 @@ class _Schema:
 
     def decode(self, values: tuple) -> Any:
         if self.plain:
-            return self.cls(*values)
-        return self.cls(*(v if d is None else d(v) for v, d in zip(values, self.dec)))
+            return self.make(*values)
+        return self.make(*(v if d is None else d(v) for v, d in zip(values, self.dec)))
 
     def encode_many(self, objs: tuple) -> tuple:
         if self.plain:
@@ -95,7 +111,7 @@ class _Schema:
 
     def decode_many(self, rows: tuple) -> tuple:
         if self.plain:
-            return tuple(starmap(self.cls, rows))
+            return tuple(starmap(self.make, rows))
         return tuple(map(self.decode, rows))
 
 
