@@ -40,7 +40,7 @@ class DecodeWorker:
         self.spec, self.rank = spec, rank
         self._engine = engine
         self.pool: HostPool | None = None
-        self.executor: Any = None  # hisparse_ray.worker.HiSparseWorker
+        self.executor: Any = None  # hisparse_ray.worker.HiSparseWorker, after build()
         self.staging: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -89,14 +89,21 @@ class DecodeWorker:
 
     def build(self) -> RankEndpoint:
         """Model shard, runtime + step executor, NIXL regions; returns this rank's endpoint."""
-        from hisparse_ray.actors.executor import build_executor
+        from hisparse_ray.worker import HiSparseWorker
 
         if self.pool is None:
             raise StateError("build() before the host pool was created/attached")
-        self.executor = build_executor(self.spec, self.rank, self.pool)
+        spec = self.spec
+        model = spec.model.build(spec.device)
+        if spec.tp_size > 1:
+            model.shard_heads(self.rank, spec.tp_size)  # all-reduce over the default (TP) group
+        self.executor = HiSparseWorker(
+            model, spec.hisparse, spec.layout, spec.num_device_blocks, self.pool, rank=self.rank,
+            device=spec.device, max_requests=max(spec.num_device_blocks, spec.max_batch) + 1)
         self.engine = self._engine or NixlTransferEngine(
-            f"decode-{self.spec.replica_id}-r{self.rank}-{os.getpid()}")
-        dev = [self.engine.register(f"dev.{l}", t) for l, t in enumerate(self.executor.device_layers)]
+            f"decode-{spec.replica_id}-r{self.rank}-{os.getpid()}")
+        dev = [self.engine.register(f"dev.{l}", t)
+               for l, t in enumerate(self.executor.runtime.device_kv)]
         host: list = []
         staging: list = []
         if self.rank == 0:
@@ -168,18 +175,22 @@ class DecodeWorker:
             finally:
                 self.pool.publish()
 
-    def install_landing(self, request_id: str, index_keys: Any, host_written: bool) -> None:
-        """The request's KV has landed: hand its indexer keys to the executor (and, rank 0 after a
-        direct host write, publish the host pool so peers see the pages)."""
+    def install_landing(self, request_id: str, index_keys: Any, capacity: int,
+                        host_written: bool) -> None:
+        """The request's KV has landed: install its indexer keys (numpy ``[L, T, d]`` or None
+        when T = 0; room for ``capacity`` positions) and, on rank 0 after a direct host write,
+        publish the host pool so peers see the pages."""
+        keys = None if index_keys is None else torch.from_numpy(index_keys.copy())
         with self._lock:
             if host_written and self.rank == 0:
                 self.pool.begin_write()
                 self.pool.publish()
-            self.executor.install_landing(request_id, index_keys)
+            self.executor.install_index_keys(request_id, keys, capacity)
 
     def drop_landing(self, request_id: str) -> None:
+        """Forget a landing that failed (its keys may have reached some ranks)."""
         with self._lock:
-            self.executor.drop_landing(request_id)
+            self.executor.index.pop(request_id, None)
 
     # -- step loop ----------------------------------------------------------------------------------
     def attach_channel(self, spec: tuple[ChannelSpec, ChannelSpec]) -> None:
@@ -212,8 +223,8 @@ class DecodeWorker:
     def stats(self) -> dict:
         out = {"rank": self.rank, "steps": self.steps, "step_s": self.step_s,
                "error": repr(self._error) if self._error else None}
-        if self.executor is not None and hasattr(self.executor, "stats"):
-            out.update(self.executor.stats())
+        if self.executor is not None:
+            out.update(self.executor.counters)
         return out
 
     def shutdown(self) -> None:
@@ -223,6 +234,8 @@ class DecodeWorker:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        if self.executor is not None:
+            self.executor.close()
         if getattr(self, "engine", None) is not None:
             self.engine.close()
         if self.pool is not None:

@@ -120,7 +120,8 @@ class Lander:
                     self.staging.release(blocks)
         keys = ray.put(result.index_keys)
         host_written = adm.target is LandingTarget.HOST and path == "direct" and bool(todo)
-        ray.get([r.install_landing.remote(rid, keys, host_written) for r in ranks])
+        capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
+        ray.get([r.install_landing.remote(rid, keys, capacity, host_written) for r in ranks])
         ray.get(self.prefill.drop.remote(rid))
         return moved, time.perf_counter() - t0, path
 
