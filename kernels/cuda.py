@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import warnings
 
 import torch
 
@@ -97,7 +98,9 @@ def _stream(idx: int, device: torch.device):
     if st is None:
         if len(_streams) > 256:
             _streams.clear()
-        st = _streams[key] = cupy.cuda.ExternalStream(ptr, idx)
+        with warnings.catch_warnings():  # cupy 14 deprecates it; Stream.from_external needs
+            warnings.simplefilter("ignore", DeprecationWarning)  # the stream protocol on torch's side
+            st = _streams[key] = cupy.cuda.ExternalStream(ptr, idx)
     return st
 
 

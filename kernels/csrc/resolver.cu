@@ -12,25 +12,37 @@
 
 // Block-wide offsets of two warp-uniform counts (warp order): `before_a/b` get the sums of
 // lower warps, `total_a/b` the block sums. Every thread must call it; scratch holds 64 ints.
+// Warp 0 scans the per-warp counts with shuffles (two barriers, no per-thread loop).
 __device__ __forceinline__ void warp_offsets(int a, int b, int* scratch, int& before_a,
                                              int& before_b, int& total_a, int& total_b) {
+    const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5;
-    if ((threadIdx.x & 31) == 0) {
+    if (lane == 0) {
         scratch[warp] = a;
         scratch[32 + warp] = b;
     }
     __syncthreads();
-    before_a = before_b = total_a = total_b = 0;
-    for (int w = 0; w < nwarps; ++w) {
-        const int x = scratch[w], y = scratch[32 + w];
-        if (w < warp) {
-            before_a += x;
-            before_b += y;
+    if (warp == 0) {
+        int x = lane < nwarps ? scratch[lane] : 0;
+        int y = lane < nwarps ? scratch[32 + lane] : 0;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int xs = __shfl_up_sync(FULL_MASK, x, off);
+            const int ys = __shfl_up_sync(FULL_MASK, y, off);
+            if (lane >= off) {
+                x += xs;
+                y += ys;
+            }
         }
-        total_a += x;
-        total_b += y;
+        scratch[lane] = x;  // inclusive prefix over warps
+        scratch[32 + lane] = y;
     }
+    __syncthreads();
+    before_a = warp > 0 ? scratch[warp - 1] : 0;
+    before_b = warp > 0 ? scratch[32 + warp - 1] : 0;
+    total_a = scratch[nwarps - 1];
+    total_b = scratch[32 + nwarps - 1];
     __syncthreads();  // scratch is reused by the next call
 }
 
@@ -136,10 +148,14 @@ extern "C" __global__ void hs_resolve(
             s_lr[i] = lr[i];
         }
     }
-    for (int i = tid; i < H; i += T) hit_flag[i] = 0;
+    if ((H & 3) == 0) {  // hit_flag starts at a multiple of 4 bytes
+        for (int i = tid; i < H / 4; i += T) reinterpret_cast<unsigned*>(hit_flag)[i] = 0u;
+    } else {
+        for (int i = tid; i < H; i += T) hit_flag[i] = 0;
+    }
 #pragma unroll 4
     for (int i = tid; i <= H; i += T) s_srow[i] = srow[i];
-    for (int i = tid; i < cap; i += T) h_keys[i] = -1;
+    for (int i = tid; i < cap / 4; i += T) reinterpret_cast<int4*>(h_keys)[i] = make_int4(-1, -1, -1, -1);
     __syncthreads();
     HS_STAGE(2)
 #pragma unroll 4
