@@ -37,8 +37,9 @@ def test_registered_views_are_pinned_and_the_uva_alias_sees_host_writes():
 def test_pool_over_64_gib_registers_in_chunks_and_copies_in_every_chunk():
     layout = KVLayout(num_layers=2, page_size=64, row_bytes=1152)
     blocks = (36 * GIB) // layout.page_bytes_per_layer  # two 36 GiB layers: 2 registrations
-    if pool_bytes(layout, blocks) > 0.9 * mem_available_bytes():
-        pytest.skip("not enough host memory for a 72 GiB pool")
+    need, st = pool_bytes(layout, blocks), os.statvfs("/dev/shm")
+    if need > 0.9 * mem_available_bytes() or need > st.f_bavail * st.f_frsize:
+        pytest.skip("not enough host memory or /dev/shm space for a 72 GiB pool")
     with HostPool.create("big", layout, blocks, register_cuda=True, prefix=PREFIX) as pool:
         chunks = register_chunks(0, 4096, pool.layer_stride, 2)
         assert len(chunks) == 2 and all(s <= MAX_REGISTER_BYTES for _, s in chunks)
