@@ -4,7 +4,9 @@ side stream and a :class:`CopyHandle` polls their completion; on CPU they run at
 
 ``device_layers`` is a list (one per layer) of [device_rows, row_bytes] uint8 tensors, all on one
 device; a device block is rows ``[block * page_size, (block + 1) * page_size)`` of every layer, the
-same page geometry as the host pool (``host_pool.layout``).
+same page geometry as the host pool (``host_pool.layout``). The device tensors must stay alive
+until the returned handle is done (the worker's device pool does); temporaries made here are
+allocated on the side stream, so the caching allocator cannot hand them out early.
 """
 
 from __future__ import annotations

@@ -198,11 +198,13 @@ class PoolActor:
     def spill_and_publish(self, seed: int, pairs: list[tuple[int, int]]):
         from hisparse_ray import copies
 
-        layers, side = self._device_layers(seed), torch.cuda.Stream()
+        # kept on self: the source must outlive the enqueued copies (the caching allocator could
+        # hand its memory to the next allocation on the current stream)
+        self.layers, self.side = self._device_layers(seed), torch.cuda.Stream()
         torch.cuda._sleep(20_000_000)  # the copies (and the event) complete well after publish
         for d, h in pairs:
-            copies.spill_page(layers, self.pool, d, h, side)
-        return self.pool.publish(side)
+            copies.spill_page(self.layers, self.pool, d, h, self.side)
+        return self.pool.publish(self.side)
 
     def restore_and_check(self, seed: int, pairs: list[tuple[int, int]], publication) -> int:
         from hisparse_ray import copies
