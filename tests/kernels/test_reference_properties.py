@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,6 +28,19 @@ def test_backends_have_identical_signatures():
 
 def test_auto_backend_on_cpu_is_reference():
     assert kernels.backend_for(torch.zeros(1, 1, dtype=torch.uint8)) is reference
+    assert kernels.backend_for(torch.zeros(1, 1, dtype=torch.uint8), "torch") is reference
+
+
+def test_unknown_or_unavailable_backend_raises():
+    from hisparse_ray.errors import KernelPreconditionError
+
+    with pytest.raises(KernelPreconditionError, match="backend"):
+        kernels.backend_for(torch.zeros(1, 1, dtype=torch.uint8), "triton")
+    if cuda.available():
+        assert kernels.backend_for(torch.zeros(1, 1, dtype=torch.uint8), "cuda") is cuda
+    else:
+        with pytest.raises(KernelPreconditionError, match="cupy"):
+            kernels.backend_for(torch.zeros(1, 1, dtype=torch.uint8), "cuda")
 
 
 def check_invariants(case, before_pos, before_lru, out, plan):
