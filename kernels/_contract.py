@@ -157,6 +157,18 @@ def check_resolve_preconditions(
                 _fail(f"row {b}: position {p} (page {pg}) is neither resident nor on host")
 
 
+def check_views(slot_rows, resident_table, host_table, page_size: int, host_rows: int,
+                device_rows: int) -> None:
+    """Every row the tables can name lies inside the views (reads back to the host): slot rows
+    < device_rows, whole resident pages inside device_kv, whole host pages inside host_kv."""
+    check_rows_in_range("slot_rows", slot_rows, device_rows)
+    for name, table, limit in (("resident_table", resident_table, device_rows),
+                               ("host_table", host_table, host_rows)):
+        valid = table[table >= 0]
+        if valid.numel() and (int(valid.max()) + 1) * page_size > limit:
+            _fail(f"{name} names block {int(valid.max())}: its page ends past the view's {limit} rows")
+
+
 def check_copy_index(name: str, t: object, ndim: int) -> torch.Tensor:
     return _tensor(name, t, ndim, (torch.int32,))
 

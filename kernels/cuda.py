@@ -24,6 +24,7 @@ from hisparse_ray.kernels._contract import (
     check_resolve_args,
     check_resolve_preconditions,
     check_rows_in_range,
+    check_views,
 )
 
 COPY_THREADS = 256
@@ -201,6 +202,10 @@ def resolve(
         check_resolve_preconditions(
             top_k, seq_lens, state_idx, slot_pos, lru, resident_table, host_table, page_size
         )
+        check_views(slot_rows, resident_table, host_table, page_size, host_kv.shape[0],
+                    device_kv.shape[0])
+    if b == 0:
+        return
     if plan is None:
         plan = torch.empty((b, k, 2), dtype=torch.int32, device=device)
     elif plan.data_ptr() % 8:
@@ -223,10 +228,8 @@ def resolve(
         np.int32(page_size), _ptr(out_rows), _ptr(plan), np.int32(hash_bits), _ptr(miss_list),
         _ptr(counters),
     )
+    # nothing that can raise between the two launches: phase B resets the miss counter
     _launch(kernel_a, (b,), (block_threads,), args, smem, device)
-    if debug:
-        check_rows_in_range("plan (host rows)", plan[..., 0], host_kv.shape[0])
-        check_rows_in_range("plan (device rows)", plan[..., 1], device_kv.shape[0])
     rb = int(device_kv.shape[1])
     args_b = (_ptr(miss_list), _ptr(counters), _ptr(host_kv), _ptr(device_kv), np.int64(rb),
               np.int32(_vec_width(rb, host_kv, device_kv)))

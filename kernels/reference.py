@@ -17,6 +17,7 @@ from hisparse_ray.kernels._contract import (
     check_resolve_args,
     check_resolve_preconditions,
     check_rows_in_range,
+    check_views,
 )
 
 
@@ -107,6 +108,9 @@ def resolve(
     check_resolve_preconditions(
         top_k, seq_lens, state_idx, slot_pos, lru, resident_table, host_table, page_size
     )
+    check_views(slot_rows, resident_table, host_table, page_size, host_kv.shape[0], device_kv.shape[0])
+    if b == 0:
+        return
     tk, lens, sidx = top_k.tolist(), seq_lens.tolist(), state_idx.tolist()
     srows, rtab, htab = slot_rows.tolist(), resident_table.tolist(), host_table.tolist()
     out_all = [[-1] * k for _ in range(b)]

@@ -221,3 +221,33 @@ def test_shape_dtype_and_contiguity_checks():
             reference.resolve(**{**base, name: value}, page_size=4)
     reference.resolve(**base, page_size=4)
     assert base["out_rows"].tolist() == [[23]]
+
+
+def test_tables_naming_rows_outside_the_views_raise():
+    with pytest.raises(KernelPreconditionError, match="host_table names block 3"):
+        reference.resolve(
+            torch.tensor([[1]], dtype=I32), torch.tensor([10], dtype=I32), torch.tensor([0], dtype=I32),
+            torch.tensor([[2, 5, 7, -1]], dtype=I32), torch.tensor([[3, 0, 1, 2]], dtype=I32),
+            torch.tensor([[20, 21, 22, 23, 24]], dtype=I32), torch.full((1, 3), -1, dtype=I32),
+            torch.tensor([[0, 3, 2]], dtype=I32), host_rows(), torch.zeros((48, 4), dtype=torch.uint8),
+            torch.empty((1, 1), dtype=I32), page_size=4,
+        )
+    with pytest.raises(KernelPreconditionError, match="slot_rows"):
+        reference.resolve(
+            torch.tensor([[1]], dtype=I32), torch.tensor([10], dtype=I32), torch.tensor([0], dtype=I32),
+            torch.tensor([[2, 5, 7, -1]], dtype=I32), torch.tensor([[3, 0, 1, 2]], dtype=I32),
+            torch.tensor([[20, 21, 22, 23, 48]], dtype=I32), torch.full((1, 3), -1, dtype=I32),
+            torch.tensor([[0, 1, 2]], dtype=I32), host_rows(), torch.zeros((48, 4), dtype=torch.uint8),
+            torch.empty((1, 1), dtype=I32), page_size=4,
+        )
+
+
+def test_empty_batch_is_a_no_op():
+    slot_pos = torch.tensor([[2, 5, 7, -1]], dtype=I32)
+    reference.resolve(
+        torch.empty((0, 2), dtype=I32), torch.empty(0, dtype=I32), torch.empty(0, dtype=I32),
+        slot_pos, torch.tensor([[3, 0, 1, 2]], dtype=I32), torch.empty((0, 5), dtype=I32),
+        torch.empty((0, 3), dtype=I32), torch.empty((0, 3), dtype=I32), host_rows(),
+        torch.zeros((48, 4), dtype=torch.uint8), torch.empty((0, 2), dtype=I32), page_size=4,
+    )
+    assert slot_pos.tolist() == [[2, 5, 7, -1]]
