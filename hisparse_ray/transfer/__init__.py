@@ -7,6 +7,7 @@ from hisparse_ray.transfer.base import (
     TransferEngine,
     WriteSegment,
     XferState,
+    coalesce,
     wait,
     write_with_retry,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "TransferEngine",
     "WriteSegment",
     "XferState",
+    "coalesce",
     "wait",
     "write_with_retry",
 ]

@@ -65,6 +65,24 @@ class WriteSegment:
     remote_offset: int
 
 
+def coalesce(segments: Sequence[WriteSegment]) -> list[WriteSegment]:
+    """Merge each run of segments that continue one another on both sides (same local region,
+    same remote region, both offsets contiguous) into one; order and bytes moved are unchanged.
+    Page-granular landings of contiguous pages become one descriptor instead of thousands."""
+    out: list[WriteSegment] = []
+    for seg in segments:
+        if out:
+            last = out[-1]
+            if (seg.local == last.local and seg.remote == last.remote
+                    and seg.local_offset == last.local_offset + last.nbytes
+                    and seg.remote_offset == last.remote_offset + last.nbytes):
+                out[-1] = WriteSegment(last.local, last.local_offset, last.nbytes + seg.nbytes,
+                                       last.remote, last.remote_offset)
+                continue
+        out.append(seg)
+    return out
+
+
 @runtime_checkable
 class TransferEngine(Protocol):
     """One agent in one process. Lifecycle: register regions -> export ``agent_metadata()`` (after

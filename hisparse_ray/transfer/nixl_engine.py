@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hisparse_ray.errors import TransferError
-from hisparse_ray.transfer.base import MemKind, RegionDesc, WriteSegment, XferState
+from hisparse_ray.transfer.base import MemKind, RegionDesc, WriteSegment, XferState, coalesce
 
 
 def _default_name() -> str:
@@ -160,7 +160,8 @@ class NixlTransferEngine:
 
     def post_write(self, segments: Sequence[WriteSegment], notif: bytes = b"") -> int:
         """Post one WRITE of all ``segments`` (one peer, one local kind, one remote kind);
-        ``notif`` reaches the peer once the whole WRITE has landed. Returns a transfer id."""
+        ``notif`` reaches the peer once the whole WRITE has landed. Contiguous runs are merged
+        into one descriptor (``coalesce``). Returns a transfer id."""
         local_arr, remote_arr, peer, lkind, rkind = self._descs(segments)
         with self._lock:
             if self._closed:
@@ -185,6 +186,10 @@ class NixlTransferEngine:
     def _descs(self, segments: Sequence[WriteSegment]):
         if not segments:
             raise TransferError("a WRITE needs at least one segment")
+        for seg in segments:  # check before merging: errors name the caller's own segments
+            self.region(seg.local).check_span(seg.local_offset, seg.nbytes)
+            seg.remote.check_span(seg.remote_offset, seg.nbytes)
+        segments = coalesce(segments)
         peer = segments[0].remote.agent
         if peer not in self._peers:
             raise TransferError(f"unknown peer {peer!r} (add_peer its metadata first)")

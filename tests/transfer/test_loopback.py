@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hisparse_ray.errors import TransferError, TransferTimeoutError
 from hisparse_ray.transfer import (
     LoopbackFabric,
     LoopbackTransferEngine,
     MemKind,
+    RegionDesc,
     TransferEngine,
     WriteSegment,
     XferState,
+    coalesce,
     wait,
     write_with_retry,
 )
@@ -121,3 +125,37 @@ def test_agent_names_are_unique_per_fabric():
     LoopbackTransferEngine(fabric, "x")
     with pytest.raises(TransferError):
         LoopbackTransferEngine(fabric, "x")
+
+
+_REMOTES = [RegionDesc("peer", name, 0, 4096, 0, MemKind.HOST) for name in ("r0", "r1")]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["l0", "l1"]), st.integers(0, 3000),
+                          st.integers(1, 64), st.sampled_from([0, 1]), st.integers(0, 3000),
+                          st.booleans()), max_size=30))
+def test_coalesce_moves_the_same_bytes_with_fewer_segments(raw):
+    """Segments (some made to continue the previous one) applied in order to a byte model give
+    the same result before and after coalescing."""
+    segs: list[WriteSegment] = []
+    for local, lo, n, r, ro, chain in raw:
+        if chain and segs:
+            p = segs[-1]
+            local, lo, r, ro = p.local, p.local_offset + p.nbytes, _REMOTES.index(p.remote), \
+                p.remote_offset + p.nbytes
+        segs.append(WriteSegment(local, lo, n, _REMOTES[r], ro))
+
+    def apply(segments):
+        src = {"l0": bytes(range(256)) * 32, "l1": bytes(reversed(range(256))) * 32}  # 8 KiB
+        dst = {"r0": bytearray(8192), "r1": bytearray(8192)}
+        for s in segments:
+            dst[s.remote.name][s.remote_offset:s.remote_offset + s.nbytes] = \
+                src[s.local][s.local_offset:s.local_offset + s.nbytes]
+        return dst
+
+    merged = coalesce(segs)
+    assert apply(merged) == apply(segs)
+    assert len(merged) <= len(segs)
+    assert sum(s.nbytes for s in merged) == sum(s.nbytes for s in segs)
+    if segs and all(c for *_, c in raw[1:]):
+        assert len(merged) == 1
