@@ -1,5 +1,5 @@
 """KV landing bandwidth: NIXL WRITE from one actor's region into another actor's region, 64..256 MiB,
-as one segment and as page-sized segments, against a plain local copy of the same bytes in the
+as one segment and as page-sized segments landing in shuffled pages, against a plain local copy of the same bytes in the
 same run.
 
 One command:  python benchmarks/bench_landing.py               (CPU -> CPU; add --smoke to check)
@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import time
 
@@ -62,10 +63,14 @@ class Side:
         return int(self.tensor[:nbytes].sum(dtype=torch.int64))
 
     def write(self, remote, nbytes: int, segment: int, iters: int) -> list[float]:
-        """Seconds from post to DONE of a WRITE of ``nbytes`` split in ``segment``-byte pieces."""
+        """Seconds from post to DONE of a WRITE of ``nbytes`` split in ``segment``-byte pages,
+        landing in shuffled remote pages (scattered host blocks: nothing to coalesce)."""
         seg = segment or nbytes
-        segs = [WriteSegment("kv", off, min(seg, nbytes - off), remote, off)
-                for off in range(0, nbytes, seg)]
+        offsets = list(range(0, nbytes, seg))
+        remote_offsets = offsets[:]
+        random.Random(0).shuffle(remote_offsets)
+        segs = [WriteSegment("kv", off, seg, remote, roff)
+                for off, roff in zip(offsets, remote_offsets)]
         out = []
         for _ in range(iters + 1):  # first one warms the connection / registration caches
             _sync(self.device)
@@ -101,7 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--segment-kib", type=int, nargs="+", default=[0, 64],
-                    help="WRITE segment size; 0 = the whole size as one segment")
+                    help="page size (must divide the sizes); 0 = the whole size as one segment")
     ap.add_argument("--src", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dst", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--iters", type=int, default=5)
@@ -127,7 +132,7 @@ def main() -> None:
             n = mib * MIB
             for seg_kib in a.segment_kib:
                 secs = ray.get(src.write.remote(dst_desc, n, seg_kib * 1024, a.iters))
-                if ray.get(dst.checksum.remote(n)) != ray.get(src.checksum.remote(n)):
+                if ray.get(dst.checksum.remote(n)) != ray.get(src.checksum.remote(n)):  # order-free
                     raise SystemExit(f"landed bytes differ ({mib} MiB, segment {seg_kib} KiB)")
                 rows.append(_row(f"nixl {a.src}->{a.dst}", n, seg_kib * 1024, secs))
             rows.append(_row(f"local copy {a.src}->{a.dst}", n, 0,
