@@ -158,3 +158,10 @@ def test_gpu_source_lands_byte_exact(ray_cluster, dst_device):
     finally:
         ray.kill(src)
         ray.kill(dst)
+
+
+@pytest.mark.parametrize("tls", ["shm", "^tcp", "rc,cuda_copy"])
+def test_ucx_tls_without_tcp_is_refused(monkeypatch, tls):
+    monkeypatch.setenv("UCX_TLS", tls)
+    with pytest.raises(TransferError, match="UCX_TLS"):
+        NixlTransferEngine("tls-check")
