@@ -25,6 +25,7 @@ landing path that writes device blocks outside that stream must order itself aft
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from hisparse_ray.core.admission import MAX_TOKEN, fits, land, match_prefix, validate_request
@@ -42,6 +43,7 @@ from hisparse_ray.types import (
     TableDiff, TransferKind, TransferId,
 )
 
+FREED_MEMORY = 1 << 16  # how many forgotten ids still answer DoubleFreeError
 _KIND = {TransferOp.SPILL: TransferKind.SPILL, TransferOp.RESTORE: TransferKind.RESTORE}
 
 
@@ -64,7 +66,7 @@ class Coordinator:
         self.host, self.device, self.book = self.res.host, self.res.device, self.res.book
         self._requests: dict[RequestId, Request] = {}
         self._waiting: list[RequestId] = []
-        self._freed: set[RequestId] = set()
+        self._freed: OrderedDict[RequestId, None] = OrderedDict()  # recent ids, for double free
         self._released: list[RequestId] = []
         self._step = 0
 
@@ -106,7 +108,7 @@ class Coordinator:
 
     def _record(self, req: Request) -> None:
         self._requests[req.rid] = req
-        self._freed.discard(req.rid)
+        self._freed.pop(req.rid, None)
 
     def poll_waiting(self) -> tuple[Admission, ...]:
         """Retry waiting requests in FIFO order with their kept target; stops at the first that
@@ -337,7 +339,9 @@ class Coordinator:
         if (req.state is RequestState.RELEASED and req.forget_when_released
                 and self._requests.get(req.rid) is req):
             del self._requests[req.rid]
-            self._freed.add(req.rid)
+            self._freed[req.rid] = None
+            if len(self._freed) > FREED_MEMORY:
+                self._freed.popitem(last=False)
 
     # -- restore policy ------------------------------------------------------------------------------
     def restore(self, request_id: RequestId) -> bool:

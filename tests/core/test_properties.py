@@ -75,7 +75,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 def test_coordinator_state_machine():
     run_state_machine_as_test(CoordinatorMachine,
-                              settings=settings(max_examples=3000, stateful_step_count=12, **FAST))
+                              settings=settings(max_examples=3000, stateful_step_count=10, **FAST))
 
 
 class HostPoolMachine(RuleBasedStateMachine):
@@ -169,7 +169,7 @@ class HostPoolMachine(RuleBasedStateMachine):
 
 def test_host_pool_state_machine():
     run_state_machine_as_test(HostPoolMachine,
-                              settings=settings(max_examples=4000, stateful_step_count=8, **FAST))
+                              settings=settings(max_examples=4000, stateful_step_count=6, **FAST))
 
 
 class DevicePoolMachine(RuleBasedStateMachine):
@@ -225,7 +225,7 @@ class DevicePoolMachine(RuleBasedStateMachine):
 
 def test_device_pool_state_machine():
     run_state_machine_as_test(DevicePoolMachine,
-                              settings=settings(max_examples=3000, stateful_step_count=8, **FAST))
+                              settings=settings(max_examples=3000, stateful_step_count=6, **FAST))
 
 
 def test_long_random_runs():
