@@ -73,23 +73,28 @@ BF16_TOL = 0.25
 BF16_MOE_MIN_AGREEMENT = 0.80
 
 
-def _run_bf16(model: DSAModel) -> tuple[int, int]:
+def _run_bf16(model: DSAModel, lens: tuple[int, ...] = PROMPT_LENS) -> tuple[int, int]:
     hf = hf_twin(model)
-    prompts = [p.cuda() for p in _prompts(model.cfg.vocab_size, 11)]
-    s = Session(model, hf, prompts, capacity=max(PROMPT_LENS) + STEPS + 1)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).cuda() for n in lens]
+    s = Session(model, hf, prompts, capacity=max(lens) + STEPS + 1)
     _, theirs = s.prefill()
     tokens = torch.stack([t[-1].argmax() for t in theirs])
     agree = total = 0
+    max_diff = 0.0
     for step in range(STEPS):
         ours_l, ref_l = s.step(tokens)
         tokens = ref_l.argmax(-1)
         agree += int((ours_l.argmax(-1) == tokens).sum())
         total += len(tokens)
+        max_diff = max(max_diff, float((ours_l - ref_l).abs().max()))
         if model.cfg.mlp_layer_types.count("sparse") == 0:
             torch.testing.assert_close(ours_l, ref_l, atol=BF16_TOL, rtol=0, msg=lambda m: f"step {step}: {m}")
             top2 = ref_l.topk(2, dim=-1).values
             clear = (top2[:, 0] - top2[:, 1]) > 2 * BF16_TOL
             assert torch.equal(ours_l.argmax(-1)[clear], tokens[clear]), f"greedy token differs at step {step}"
+    print(f"\n{model.cfg.kind:13s} row_dim {model.cfg.row_dim:4d} top_k {model.cfg.index_topk:4d} prompts {lens} "
+          f"steps {STEPS}: max |logit diff| {max_diff:.4f}, greedy agreement {agree}/{total}")
     return agree, total
 
 
@@ -107,3 +112,18 @@ def test_bf16_moe_greedy_agreement_gpu(kind):
     model = build_tiny_model(seed=3, kind=kind, dtype=torch.bfloat16, device="cuda")
     agree, total = _run_bf16(model)
     assert agree >= BF16_MOE_MIN_AGREEMENT * total, f"greedy agreement {agree}/{total}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_real_attention_dims_gpu(kind):
+    """DeepSeek-V3.2 attention shapes (latent 512 + rope 64 = 576-wide rows, 128/128 nope/v head dims,
+    64 x 128 indexer heads) with 16 heads, dense MLPs, top-k 256 over prompts of 2048 and 2301 tokens
+    (>= 8x a device_buffer_size of 256)."""
+    cfg = tiny_config(kind).with_(
+        vocab_size=512, hidden_size=1024, intermediate_size=1024, num_attention_heads=16, q_lora_rank=384,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
+        index_head_dim=128, index_topk=256, max_position_embeddings=8192, mlp_layer_types=("dense",) * 4,
+    )
+    model = init_random_(DSAModel(cfg), 3).to("cuda").cast_(torch.bfloat16).eval()
+    _run_bf16(model, lens=(2048, 2301))
