@@ -122,7 +122,9 @@ class DSAConfig:
         return replace(self, **changes)
 
 
-def _indexer_types(d: dict[str, Any], L: int) -> tuple[str, ...]:
+def indexer_types_from_hf(d: dict[str, Any], L: int) -> tuple[str, ...]:
+    """GLM index sharing from HF config keys: ``indexer_types``, else ``index_topk_pattern``, else the
+    ``index_topk_freq`` / ``index_skip_topk_offset`` rule (all ``"full"`` when none is given)."""
     if d.get("indexer_types") is not None:
         return tuple(d["indexer_types"])
     pattern = d.get("index_topk_pattern")
@@ -193,7 +195,7 @@ def config_from_hf(d: dict[str, Any]) -> DSAConfig:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
         mlp_layer_types=tuple(mlp),
-        indexer_types=_indexer_types(d, L),
+        indexer_types=indexer_types_from_hf(d, L),
         rope=_rope(d),
         attention_bias=bool(d.get("attention_bias", False)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

@@ -18,7 +18,7 @@ from hisparse_ray.model import (
     save_pretrained_dir,
     tiny_config,
 )
-from hisparse_ray.model.config import _indexer_types
+from hisparse_ray.model.config import indexer_types_from_hf
 
 from ._hf import hf_twin
 
@@ -95,7 +95,7 @@ def test_index_sharing_rules_equal_hf():
     for extra in ({}, {"index_topk_freq": 3}, {"index_topk_freq": 4, "index_skip_topk_offset": 3},
                   {"index_topk_pattern": "FFSSFSFSS"}):
         hf_cfg = transformers.GlmMoeDsaConfig(num_hidden_layers=L, **extra)
-        assert _indexer_types({**extra}, L) == tuple(hf_cfg.indexer_types), extra
+        assert indexer_types_from_hf({**extra}, L) == tuple(hf_cfg.indexer_types), extra
     d = hf_config_dict(tiny_config("glm_moe_dsa"))
     assert config_from_hf(d) == tiny_config("glm_moe_dsa")
 
