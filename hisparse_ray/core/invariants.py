@@ -22,9 +22,7 @@ def check_coordinator(c: "Coordinator") -> None:
     its ack (a pending transfer's blocks are still leased/owned and pinned); stable tiers have
     their shape; waiting/released requests hold nothing."""
     host, device, book = c.host, c.device, c.book
-    host.check_invariants()
-    device.check_invariants()
-    book.check_invariants()
+    c.res.check_invariants()
     cfg = c.config
     ps = cfg.page_size
 
@@ -34,6 +32,7 @@ def check_coordinator(c: "Coordinator") -> None:
     host_refs: Counter[int] = Counter()
     for rid, req in c._requests.items():
         assert req.rid == rid
+        req.check_invariants(ps)
         if req.state in (RequestState.WAITING, RequestState.RELEASED):
             assert not req.pages and not req.hot and not req.in_flight, f"{rid} holds leases"
             assert (req.state is RequestState.WAITING) == (rid in waiting)
@@ -91,5 +90,3 @@ def check_coordinator(c: "Coordinator") -> None:
         assert host.pins(b) == host_pins.get(b, 0), f"host block {b} pins {host.pins(b)}"
     for b in range(device.num_blocks):
         assert device.pins(b) == dev_pins.get(b, 0), f"device block {b} pins {device.pins(b)}"
-    for p in c.res.outbox:
-        assert p.tid in book.pending, f"outbox holds retired transfer {p.tid}"

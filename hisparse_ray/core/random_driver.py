@@ -41,7 +41,7 @@ class RandomDriver:
         rid = f"r{self.next_id}"
         self.next_id += 1
         try:
-            adm = self.coord.admit(rid, prompt, max_new)
+            adm = self.coord.admit(rid, prompt, max_new, 2 if extra % 4 == 3 else None)
         except CapacityError:
             return
         self.worker.start(rid, prompt)

@@ -71,6 +71,17 @@ class Request:
     def num_generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
+    def check_invariants(self, page_size: int) -> None:
+        """Record-local rules: token counts, written positions and page row counts in range."""
+        assert 1 <= self.prompt_len <= len(self.tokens), f"{self.rid}: prompt/tokens mismatch"
+        assert self.num_generated <= self.max_new_tokens, f"{self.rid}: generated past its limit"
+        assert self.written <= len(self.tokens), f"{self.rid}: wrote a position with no token"
+        assert all(0 <= p.host_rows <= page_size for p in self.pages), f"{self.rid}: host_rows"
+        if self.awaiting_step is not None:
+            assert self.state in (RequestState.RUNNING, RequestState.FINISHED), self.rid
+        if self.state is RequestState.RELEASED:
+            assert not (self.pages or self.hot or self.in_flight), f"{self.rid} released with leases"
+
     @property
     def lifetime_positions(self) -> int:
         """Positions that get KV over the request's life: the last sampled token is never fed."""

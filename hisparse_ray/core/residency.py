@@ -160,6 +160,14 @@ class Residency:
     def _has(self, req: Request, op: TransferOp, exclude: Pending) -> bool:
         return any(t != exclude.tid and self.book.pending[t].kind is op for t in req.in_flight)
 
+    def check_invariants(self) -> None:
+        """Both pools and the transfer book; every outbox entry is still pending."""
+        self.host.check_invariants()
+        self.device.check_invariants()
+        self.book.check_invariants()
+        for p in self.outbox:
+            assert p.tid in self.book.pending, f"outbox holds retired transfer {p.tid}"
+
     # -- releasing ---------------------------------------------------------------------------------
     def release_all(self, req: Request) -> None:
         """Return every lease of a request with no transfer in flight."""
