@@ -219,7 +219,7 @@ class ShmChannel:
 
     @property
     def max_message_bytes(self) -> int:
-        """Largest pickled payload that fits the ring."""
+        """Largest encoded payload that fits the ring."""
         return self.capacity - _FRAME.size
 
     def send(self, obj: Any, timeout: float | None = None) -> None:
@@ -256,11 +256,11 @@ class ShmChannel:
         if seq != self._seq or length > self.max_message_bytes:
             raise ChannelError(f"corrupt frame: seq {seq} (expected {self._seq}), "
                                f"length {length}", self.name)
-        obj = self._codec.loads(self._get(pos + _FRAME.size, length))
+        payload = self._get(pos + _FRAME.size, length)
         self._pos = pos + _FRAME.size + ((length + 7) & ~7)
         self._seq += 1
-        _U64.pack_into(self._mm, _OFF_READ, self._pos)  # free the frame
-        return obj
+        _U64.pack_into(self._mm, _OFF_READ, self._pos)  # free the frame before decoding
+        return self._codec.loads(payload)
 
     def pending(self) -> bool:
         """Receiver: whether a message is ready (``recv`` would not block)."""
