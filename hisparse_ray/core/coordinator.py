@@ -212,9 +212,12 @@ class Coordinator:
         already in flight. Victim: the stable resident request with the most pages whose
         conversion frees blocks (the needy request itself qualifies if it frees none but stops
         needing new device pages)."""
+        hot_n = self.config.hot_blocks_per_request
+        if (needy.state is RequestState.WAITING and needy.target is LandingTarget.HOST
+                and self.device.num_free >= hot_n):
+            return  # the host pool is its bottleneck: spilling would only make it worse
         if any(r.conversion in (Conversion.SPILL, Conversion.HOT) for r in self._requests.values()):
             return
-        hot_n = self.config.hot_blocks_per_request
         best, best_gain = None, -1
         for req in self._requests.values():
             if not (self._eligible(req) and req.tier is LandingTarget.RESIDENT and not req.in_flight):
