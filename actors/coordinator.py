@@ -11,6 +11,7 @@ never while waiting on a channel, a NIXL transfer or a Ray call.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from dataclasses import dataclass
@@ -49,7 +50,8 @@ class RequestRecord:
     hot_hits: int = 0
     hot_misses: int = 0
     landing_bytes: int = 0
-    landing_s: float = 0.0
+    landing_s: float = 0.0  # after prefill: WRITEs, notifications, staging copies, key install
+    landing_data_s: float = 0.0  # data movement only: NIXL WRITEs + staging copies
     landing_path: str = ""
 
     @property
@@ -69,6 +71,7 @@ class RequestRecord:
             "decode_tokens_per_s": (n / decode_s) if decode_s else None,
             "hot_hit_rate": (self.hot_hits / looked) if looked else None,
             "landing_bytes": self.landing_bytes, "landing_s": self.landing_s,
+            "landing_data_s": self.landing_data_s,
             "landing_path": self.landing_path,
         }
 
@@ -104,7 +107,9 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
         self.hot_hits = self.hot_misses = 0
-        self.step_s: list[float] = []
+        self.step_s: collections.deque = collections.deque(maxlen=100_000)
+        self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, round trip s)
+        self._channel_lock = threading.Lock()  # one user of the rank channels at a time
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -186,13 +191,15 @@ class Coordinator:
         lander = self._landers[index]
         lander.enqueue(adm, self._prompts[adm.request_id])
 
-    def landed(self, request_id: str, nbytes: int, seconds: float, path: str) -> None:
+    def landed(self, request_id: str, nbytes: int, seconds: float, data_s: float,
+               path: str) -> None:
         """Lander callback: the request's KV and index keys are on every rank."""
         with self.lock:
             self.core.apply_landed(RequestId(request_id))
             rec = self.records[request_id]
             rec.landed = time.monotonic()
             rec.landing_bytes, rec.landing_s, rec.landing_path = nbytes, seconds, path
+            rec.landing_data_s = data_s
         self._wake.set()
 
     def landing_failed(self, request_id: str, error: BaseException) -> None:
@@ -271,6 +278,30 @@ class Coordinator:
             "landing_paths": [lander.path for lander in self._landers],
         }
 
+    def get_step_log(self) -> list[tuple[int, float]]:
+        """(step, command-to-last-report seconds) of the recent steps (benchmarks)."""
+        return list(self.step_log)
+
+    def probe_control_plane(self, n: int) -> list[float]:
+        """Round-trip seconds of ``n`` empty StepCommands through every rank's channel and step
+        executor (nothing to run: pure control-plane cost at this TP size). Reports are checked
+        for the right step and rank and not applied to the core."""
+        from hisparse_ray.types import Rank, StepCommand
+
+        out = []
+        timeout = self.spec.step_timeout_s
+        with self._channel_lock:
+            for i in range(n):
+                cmds = [StepCommand(-1 - i, Rank(r), ()) for r in range(len(self._channels))]
+                t0 = time.perf_counter()
+                for ch, cmd in zip(self._channels, cmds):
+                    ch.send(cmd, timeout)
+                reports = [ch.recv(timeout) for ch in self._channels]
+                out.append(time.perf_counter() - t0)
+                if [(r.step, r.rank) for r in reports] != [(c.step, c.rank) for c in cmds]:
+                    raise StateError(f"probe reports out of order: {reports}")
+        return out
+
     # -- the step loop -----------------------------------------------------------------------------
     def _step_loop(self) -> None:
         timeout = self.spec.step_timeout_s
@@ -284,11 +315,14 @@ class Coordinator:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                t0 = time.perf_counter()
-                for ch, cmd in zip(self._channels, cmds):
-                    ch.send(cmd, timeout)
-                reports = [ch.recv(timeout) for ch in self._channels]
-                self.step_s.append(time.perf_counter() - t0)
+                with self._channel_lock:
+                    t0 = time.perf_counter()
+                    for ch, cmd in zip(self._channels, cmds):
+                        ch.send(cmd, timeout)
+                    reports = [ch.recv(timeout) for ch in self._channels]
+                    dt = time.perf_counter() - t0
+                self.step_s.append(dt)
+                self.step_log.append((cmds[0].step, dt))
                 with self.cond:
                     for rep in reports:
                         self.core.apply_report(rep)

@@ -6,6 +6,7 @@ made remote in :mod:`hisparse_ray.actors.launch`.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -49,6 +50,7 @@ class DecodeWorker:
         self._error: BaseException | None = None
         self.steps = 0
         self.step_s = 0.0
+        self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, execute s)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def node_info(self) -> dict:
@@ -61,7 +63,7 @@ class DecodeWorker:
     def rendezvous(self) -> tp.Rendezvous:
         if self.rank != 0:
             raise StateError("only rank 0 picks the TP rendezvous")
-        return tp.rendezvous_address(self.spec.tp_size, self.spec.use_cuda)
+        return tp.rendezvous_address(self.spec.tp_size, self.spec.gpus_per_rank)
 
     def join_tp(self, rdv: tp.Rendezvous) -> None:
         if self.spec.use_cuda:
@@ -157,12 +159,14 @@ class DecodeWorker:
         return seen
 
     def unstage(self, pairs: list[tuple[int, int]], num_positions: int,
-                pages: list[int]) -> None:
+                pages: list[int]) -> float:
         """Rank 0: copy staging blocks into host blocks, ``pairs[i] = (staging block, host
-        block)`` for request page ``pages[i]`` (rows clipped to ``num_positions``)."""
+        block)`` for request page ``pages[i]`` (rows clipped to ``num_positions``); returns the
+        copy's seconds."""
         from hisparse_ray.actors.landing import page_positions
 
         P = self.spec.page_size
+        t0 = time.perf_counter()
         with self._lock:
             self.pool.begin_write()
             try:
@@ -174,6 +178,7 @@ class DecodeWorker:
                     torch.cuda.synchronize()
             finally:
                 self.pool.publish()
+        return time.perf_counter() - t0
 
     def install_landing(self, request_id: str, index_keys: Any, capacity: int,
                         host_written: bool) -> None:
@@ -212,13 +217,23 @@ class DecodeWorker:
                 t0 = time.perf_counter()
                 with self._lock:
                     report = self.executor.execute(cmd)
-                self.step_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.step_s += dt
                 self.steps += 1
+                self.step_log.append((cmd.step, dt))
                 ch.send(report, timeout=self.spec.step_timeout_s)
         except (ChannelClosedError, ChannelPeerLostError):
             pass
         except BaseException as err:  # surfaced through stats(); the coordinator times out
             self._error = err
+
+    def get_step_log(self) -> list[tuple[int, float]]:
+        """(step, seconds spent executing it) of the recent steps (benchmarks)."""
+        return list(self.step_log)
+
+    def ping(self, payload: Any = None) -> int:
+        """A plain Ray call (the baseline the shared-memory control plane is measured against)."""
+        return self.rank
 
     def stats(self) -> dict:
         out = {"rank": self.rank, "steps": self.steps, "step_s": self.step_s,

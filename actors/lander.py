@@ -62,12 +62,12 @@ class Lander:
             adm, prompt = item
             rid = adm.request_id
             try:
-                nbytes, seconds, path = self.land(adm, prompt)
+                nbytes, seconds, data_s, path = self.land(adm, prompt)
             except (HiSparseError, ray.exceptions.RayError, TimeoutError) as err:
                 self._cleanup(rid)
                 self.coord.landing_failed(rid, _unwrap(err))
                 continue
-            self.coord.landed(rid, nbytes, seconds, path)
+            self.coord.landed(rid, nbytes, seconds, data_s, path)
 
     def _cleanup(self, rid: str) -> None:
         try:
@@ -80,15 +80,16 @@ class Lander:
             pass
 
     # -- one request -------------------------------------------------------------------------------
-    def land(self, adm: Admission, prompt: list[int]) -> tuple[int, float, str]:
-        """Prefill, push and install one admission; returns (bytes moved, seconds, path)."""
+    def land(self, adm: Admission, prompt: list[int]) -> tuple[int, float, float, str]:
+        """Prefill, push and install one admission; returns (bytes moved, seconds end to end
+        after prefill, seconds of data movement only (NIXL WRITEs + staging copies), path)."""
         spec, ranks, eps = self.coord.spec, self.coord.ranks, self.coord.endpoints
         rid, P, T = adm.request_id, spec.page_size, adm.num_positions
         todo = [(p.page, p.host_block if adm.target is LandingTarget.HOST else p.device_block)
                 for p in adm.pages if not p.reused and page_positions(p.page, P, T)[1] > 0]
         result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T])))
         t0 = time.perf_counter()
-        moved = 0
+        moved, self._data_s = 0, 0.0
         timeout = spec.landing_timeout_s * spec.landing_attempts
         path = "resident"
         if adm.target is LandingTarget.RESIDENT:
@@ -113,7 +114,7 @@ class Lander:
                                        _notif(rid, 0, i))
                     moved += self._push(rid, (dest,))
                     ray.get(ranks[0].wait_notification.remote(dest.notif, timeout))
-                    ray.get(ranks[0].unstage.remote(
+                    self._data_s += ray.get(ranks[0].unstage.remote(
                         [(sb, hb) for (_, hb), sb in zip(chunk, blocks)], T,
                         [page for page, _ in chunk]))
                 finally:
@@ -123,13 +124,15 @@ class Lander:
         capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
         ray.get([r.install_landing.remote(rid, keys, capacity, host_written) for r in ranks])
         ray.get(self.prefill.drop.remote(rid))
-        return moved, time.perf_counter() - t0, path
+        return moved, time.perf_counter() - t0, self._data_s, path
 
     def _push(self, rid: str, dests: tuple[LandingDest, ...]) -> int:
         spec = self.coord.spec
         order = LandingOrder(rid, dests, attempts=spec.landing_attempts,
                              timeout_s=spec.landing_timeout_s)
-        return ray.get(self.prefill.push.remote(order, spec.page_size))
+        moved, seconds = ray.get(self.prefill.push.remote(order, spec.page_size))
+        self._data_s += seconds
+        return moved
 
 
 def _notif(rid: str, rank: int, chunk: int) -> bytes:

@@ -97,10 +97,10 @@ class PrefillWorker:
         self.stats["prefill_s"] += dt
         return PrefillResult(request_id, T, keys, dt)
 
-    def push(self, order: LandingOrder, page_size: int) -> int:
+    def push(self, order: LandingOrder, page_size: int) -> tuple[int, float]:
         """WRITE ``order``'s pages of the held request (one WRITE + notification per dest, with
-        retries); returns the bytes moved. TransferError / TransferTimeoutError after the last
-        attempt, tagged with the request id."""
+        retries); returns (bytes moved, seconds from the first post to the last DONE).
+        TransferError / TransferTimeoutError after the last attempt, tagged with the request id."""
         with self._lock:
             if self._held is None or self._held[0] != order.request_id:
                 raise StateError(f"request {order.request_id!r} is not held by prefill worker "
@@ -120,10 +120,11 @@ class PrefillWorker:
             except Exception:
                 self.stats["failed_pushes"] += 1
                 raise
+            dt = time.perf_counter() - t0
             self.stats["pushes"] += 1
             self.stats["pushed_bytes"] += moved
-            self.stats["push_s"] += time.perf_counter() - t0
-            return moved
+            self.stats["push_s"] += dt
+            return moved, dt
 
     def drop(self, request_id: str) -> None:
         with self._lock:

@@ -3,7 +3,8 @@
 The launcher asks rank 0 for a rendezvous address (its node IP and a free TCP port, see
 :func:`rendezvous_address`), then every rank calls :func:`init_tp_group` with the same address at
 the same time: ``torch.distributed`` over gloo on CPU, NCCL on GPU. One group per process (the
-default group), which is what the model's head-sharded all-reduce uses.
+default group), which is what the model's head-sharded all-reduce uses. NCCL needs whole GPUs per
+rank; ranks sharing one GPU (``num_gpus=0.5``) use gloo.
 """
 
 from __future__ import annotations
@@ -56,14 +57,16 @@ def free_port(host: str = "") -> int:
         return int(s.getsockname()[1])
 
 
-def default_backend(use_cuda: bool) -> str:
-    return "nccl" if use_cuda else "gloo"
+def default_backend(gpus_per_rank: float) -> str:
+    """NCCL when every rank owns whole GPUs; gloo on CPU and when ranks share a GPU (NCCL refuses
+    two ranks on one device; gloo all-reduces CUDA tensors through host memory)."""
+    return "nccl" if gpus_per_rank >= 1 else "gloo"
 
 
-def rendezvous_address(world_size: int, use_cuda: bool) -> Rendezvous:
+def rendezvous_address(world_size: int, gpus_per_rank: float) -> Rendezvous:
     """Rank 0 calls this (inside its actor) to pick the group's meeting point on its own node."""
     host = node_ip()
-    return Rendezvous(host, free_port(), world_size, default_backend(use_cuda))
+    return Rendezvous(host, free_port(), world_size, default_backend(gpus_per_rank))
 
 
 def init_tp_group(rdv: Rendezvous, rank: int, timeout_s: float = 120.0) -> None:

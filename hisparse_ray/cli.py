@@ -1,47 +1,279 @@
-"""Command line ``hisparse-ray`` (ring 3)."""
+"""Command line ``hisparse-ray`` (ring 3): ``demo`` (the main job on the embedded default),
+``generate`` (your prompts and config) and ``smoke`` (start Ray, print the config).
+
+``demo`` starts a local Ray cluster, one prefill worker and one decode replica with TP 2 on the
+tiny built-in model (CPU without a GPU), runs a handful of long-context requests whose context is
+many times the hot buffer, shows progress, prints per-request tokens/s, hot-buffer hit rate and
+host pool use, and checks the tokens against full-resident decode (the in-process engine).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import sys
 import time
+from pathlib import Path
 
 from hisparse_ray.config import HiSparseConfig, KVLayout
+
+DEMO_CONFIG = {"top_k": 8, "device_buffer_size": 16, "host_to_device_ratio": 4,
+               "swap_in_block_size": 64, "host_pool_gib": 0.01}
+
+
+# --- tokenizer ------------------------------------------------------------------------------------
+class ByteTokenizer:
+    """Byte-level tokenizer for the tiny model (vocab 96): printable ASCII 32..126 -> ids 1..95,
+    any other byte -> 0 (decoded as '?')."""
+
+    vocab_size = 96
+
+    def encode(self, text: str) -> list[int]:
+        return [b - 31 if 32 <= b <= 126 else 0 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i + 31) if 1 <= i <= 95 else "?" for i in ids)
+
+
+# --- shared plumbing ------------------------------------------------------------------------------
+def load_config(value: str | None) -> HiSparseConfig:
+    """``--config``: a JSON file path or inline JSON (SGLang --hisparse-config keys +
+    host_pool_gib); the demo default when omitted."""
+    if not value:
+        return HiSparseConfig.from_dict(dict(DEMO_CONFIG))
+    path = Path(value)
+    if not value.lstrip().startswith("{") and path.exists():
+        value = path.read_text()
+    return HiSparseConfig.from_json(value)
+
+
+def _use_gpu(flag: str) -> bool:
+    if flag == "cpu":
+        return False
+    import torch
+
+    if flag == "gpu" and not torch.cuda.is_available():
+        raise SystemExit("--device gpu: no CUDA device visible")
+    return torch.cuda.is_available()
+
+
+def _specs(args: argparse.Namespace, cfg: HiSparseConfig):
+    from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
+
+    gpu = _use_gpu(args.device)
+    model = ModelSpec(kind=args.model, seed=args.seed, dtype="bfloat16" if gpu else "float32")
+    replica = ReplicaSpec(model=model, hisparse=cfg, page_size=args.page_size,
+                          num_device_blocks=args.device_blocks, tp_size=args.tp,
+                          gpus_per_rank=(1.0 / args.tp) if gpu else 0.0)
+    prefill = PrefillSpec(model=model, gpus=0.0)
+    return replica, prefill
+
+
+def _start_ray(num_cpus: int | None) -> None:
+    import ray
+
+    import torch
+
+    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+             num_gpus=1 if torch.cuda.is_available() else 0, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+
+
+def run_requests(replica, requests: list[tuple[str, list[int]]], max_new_tokens: int,
+                 *, show_progress: bool = True, timeout_s: float = 600.0) -> list[dict]:
+    """Submit every request to the replica, print progress until all are done, return summaries."""
+    import ray
+
+    coord = replica.coordinator
+    for rid, prompt in requests:
+        ray.get(coord.submit.remote(rid, prompt, max_new_tokens))
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        prog = ray.get(coord.progress.remote())
+        line = "  ".join(f"{rid}:{n}/{m}{'*' if done else ''}" for rid, (n, m, done) in prog.items())
+        if show_progress and line != last:
+            print(f"  progress  {line}", flush=True)
+            last = line
+        if all(done for _, _, done in prog.values()):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests not done after {timeout_s} s")
+        time.sleep(0.5)
+    return ray.get(coord.wait.remote([rid for rid, _ in requests]))
+
+
+def reference_tokens(model_spec, requests: list[tuple[str, list[int]]], max_new_tokens: int
+                     ) -> dict[str, list[int]]:
+    """The same prompts through the in-process engine in full-resident mode (greedy)."""
+    from hisparse_ray.actors.reference import full_resident_tokens
+
+    return full_resident_tokens(model_spec, [p for _, p in requests], max_new_tokens,
+                                [rid for rid, _ in requests])
+
+
+def print_table(rows: list[dict], metrics: dict) -> None:
+    print(f"\n{'request':>8} {'prompt':>6} {'target':>8} {'path':>8} {'tokens':>6} "
+          f"{'tok/s':>7} {'hit rate':>8} {'landed KiB':>10}")
+    for r in rows:
+        hit = f"{r['hot_hit_rate']:.1%}" if r["hot_hit_rate"] is not None else "-"
+        tps = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else "-"
+        print(f"{r['request_id']:>8} {r['prompt_len']:>6} {r['target'] or '-':>8} "
+              f"{r['landing_path'] or '-':>8} {r['generated']:>6} {tps:>7} {hit:>8} "
+              f"{r['landing_bytes'] / 1024:>10.1f}")
+    c = metrics["counters"]
+    rate = metrics["hot_hit_rate"]
+    print(f"\nhot-buffer hit rate (all requests): {rate:.1%}" if rate is not None else "")
+    print(f"host pool: {c['host_blocks_used']} of {c['host_blocks_total']} blocks in use, "
+          f"{c['host_blocks_cached']} cached ({metrics['host_pool_bytes'] / 2**20:.2f} MiB pool); "
+          f"device pool: {c['device_blocks_used']} of {c['device_blocks_total']} blocks; "
+          f"backups {c['backups']}, spills {c['spills']}, restores {c['restores']}")
+    if metrics["step_ms_median"] is not None:
+        print(f"decode steps: {metrics['steps']}, median {metrics['step_ms_median']:.2f} ms per step")
+
+
+# --- commands -------------------------------------------------------------------------------------
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import ray
+
+    from hisparse_ray.actors import launch
+
+    t_start = time.perf_counter()
+    cfg = load_config(args.config)
+    replica_spec, prefill_spec = _specs(args, cfg)
+    rng = random.Random(args.seed)
+    lengths = [rng.randint(args.min_context, args.max_context) for _ in range(args.requests)]
+    requests = [(f"req{i}", [rng.randrange(1, 96) for _ in range(n)]) for i, n in enumerate(lengths)]
+    print(f"hisparse-ray demo: {len(requests)} requests, contexts {lengths} tokens = "
+          f"{min(lengths) / cfg.device_buffer_size:.0f}-{max(lengths) / cfg.device_buffer_size:.0f}x "
+          f"the hot buffer ({cfg.device_buffer_size} slots), top-k {cfg.top_k}, "
+          f"{args.max_new_tokens} new tokens each, TP {args.tp}, device {replica_spec.device}")
+    _start_ray(args.num_cpus)
+    try:
+        t0 = time.perf_counter()
+        replica = launch.launch_deployment(replica_spec, prefill_spec)
+        print(f"deployment up in {time.perf_counter() - t0:.1f}s: 1 prefill worker, 1 decode "
+              f"replica (coordinator + {args.tp} ranks, STRICT_PACK), landing path "
+              f"{ray.get(replica.coordinator.metrics.remote())['landing_paths']}")
+        try:
+            rows = run_requests(replica, requests, args.max_new_tokens)
+            metrics = ray.get(replica.coordinator.metrics.remote())
+        finally:
+            replica.shutdown()
+    finally:
+        ray.shutdown()
+    print_table(rows, metrics)
+    failed = [r for r in rows if r["error"]]
+    if failed:
+        print(f"FAILED requests: {[(r['request_id'], r['error']) for r in failed]}")
+        return 1
+    print("\nexactness check: the same prompts through full-resident decode (in-process engine)")
+    ref = reference_tokens(replica_spec.model, requests, args.max_new_tokens)
+    ok = True
+    for r in rows:
+        same = r["tokens"] == ref[r["request_id"]]
+        ok &= same
+        print(f"  {r['request_id']}: {'identical' if same else 'DIFFERENT'} "
+              f"({len(r['tokens'])} tokens)")
+    print(f"\n{'PASS' if ok else 'FAIL'}: HiSparse tokens {'equal' if ok else 'differ from'} "
+          f"full-resident decode; demo took {time.perf_counter() - t_start:.1f}s")
+    return 0 if ok else 1
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import ray
+
+    from hisparse_ray.actors import launch
+
+    cfg = load_config(args.config)
+    replica_spec, prefill_spec = _specs(args, cfg)
+    tok = ByteTokenizer()
+    requests: list[tuple[str, list[int]]] = []
+    for i, text in enumerate(args.prompt or []):
+        requests.append((f"p{i}", tok.encode(text)))
+    for i, ids in enumerate(args.ids or []):
+        requests.append((f"ids{i}", [int(x) for x in ids.replace(",", " ").split()]))
+    if not requests:
+        raise SystemExit("give at least one --prompt TEXT or --ids '1,2,3'")
+    _start_ray(args.num_cpus)
+    try:
+        replica = launch.launch_deployment(replica_spec, prefill_spec)
+        try:
+            rows = run_requests(replica, requests, args.max_new_tokens, show_progress=not args.json)
+            metrics = ray.get(replica.coordinator.metrics.remote())
+        finally:
+            replica.shutdown()
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps({"requests": rows, "metrics": metrics}, default=str))
+    else:
+        for r in rows:
+            text = tok.decode(r["tokens"]) if r["request_id"].startswith("p") else ""
+            print(f"{r['request_id']}: {r['tokens']} {text!r}" if not r["error"]
+                  else f"{r['request_id']}: ERROR {r['error']}")
+        print_table(rows, metrics)
+    return 1 if any(r["error"] for r in rows) else 0
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
     import ray
 
-    cfg = HiSparseConfig.from_json(args.config) if args.config else HiSparseConfig()
+    cfg = load_config(args.config)
     layout = KVLayout()
     t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    _start_ray(args.num_cpus)
     try:
         res = ray.cluster_resources()
         print(f"local Ray cluster up in {time.perf_counter() - t0:.1f}s: {json.dumps(res, sort_keys=True)}")
         print("config:", cfg.to_json())
-        print(
-            f"layout: {layout.bytes_per_token_layer} B/token/layer, {layout.num_layers} layers, "
-            f"page {layout.page_size}, host blocks in {cfg.host_pool_gib} GiB: "
-            f"{layout.host_blocks(cfg.host_pool_gib)}"
-        )
+        print(f"layout: {layout.bytes_per_token_layer} B/token/layer, {layout.num_layers} layers, "
+              f"page {layout.page_size}, host blocks in {cfg.host_pool_gib} GiB: "
+              f"{layout.host_blocks(cfg.host_pool_gib)}")
     finally:
         ray.shutdown()
     return 0
 
 
+def _deployment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="HiSparse config: a JSON file or inline JSON (SGLang "
+                   "--hisparse-config keys + host_pool_gib); default: the demo config")
+    p.add_argument("--tp", type=int, default=2, help="decode tensor-parallel ranks (default 2)")
+    p.add_argument("--model", default="deepseek_v32", choices=["deepseek_v32", "glm_moe_dsa"],
+                   help="tiny built-in model kind")
+    p.add_argument("--seed", type=int, default=0, help="model weights and demo prompts seed")
+    p.add_argument("--page-size", type=int, default=8, help="positions per page / host block")
+    p.add_argument("--device-blocks", type=int, default=16,
+                   help="device pool blocks per rank (small: long contexts land on the host tier)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hisparse-ray", description=__doc__)
+    p = argparse.ArgumentParser(prog="hisparse-ray", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="the main job: long-context requests through prefill -> "
+                       "NIXL -> TP 2 HiSparse decode, checked against full-resident decode")
+    _deployment_args(d)
+    d.add_argument("--requests", type=int, default=4)
+    d.add_argument("--min-context", type=int, default=160)
+    d.add_argument("--max-context", type=int, default=240)
+    d.set_defaults(func=_cmd_demo)
+    g = sub.add_parser("generate", help="generate for your prompts (text via a byte-level "
+                       "tokenizer, or token ids)")
+    _deployment_args(g)
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--ids", action="append", help="prompt token ids, e.g. '5,17,3' (repeatable)")
+    g.add_argument("--json", action="store_true", help="print results as JSON")
+    g.set_defaults(func=_cmd_generate)
     s = sub.add_parser("smoke", help="start a local Ray cluster and print the config")
     s.add_argument("--config", help="HiSparse config JSON (SGLang --hisparse-config keys)")
     s.add_argument("--num-cpus", type=int, default=2)
     s.set_defaults(func=_cmd_smoke)
-    d = sub.add_parser("demo", help="the main job on the embedded default (for now: the smoke run)")
-    d.add_argument("--config", help="HiSparse config JSON (SGLang --hisparse-config keys)")
-    d.add_argument("--num-cpus", type=int, default=2)
-    d.set_defaults(func=_cmd_smoke)
     return p
 
 

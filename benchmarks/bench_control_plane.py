@@ -1,0 +1,158 @@
+"""Benchmark of the actor system's wiring (not a test): per-step control-plane overhead at TP 2 and
+prefill -> decode landing GB/s, each against its baseline measured in the same run.
+
+1. control plane: round trip of an empty StepCommand through the coordinator's shared-memory
+   channels and both ranks' step executors (``Coordinator.probe_control_plane``), and the
+   per-step overhead of real decode steps (coordinator round trip minus the slower rank's execute
+   time), against a plain Ray actor call and a Ray-call fan-out to both ranks. Target <= 100 us.
+2. landing: host landing GB/s of the data path (NIXL WRITEs until DONE + the staging copy into
+   the host pool) for the direct and the staged path, against a plain ``torch`` copy of the same
+   bytes in this process; also with the Ray orchestration calls (notification wait, key install).
+
+Usage: ``python benchmarks/bench_control_plane.py [--probes 2000] [--tokens 2048]``. Prints a table
+and writes ``results/bench_control_plane.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from hisparse_ray.actors import launch
+from hisparse_ray.actors.prefill_worker import PrefillWorker
+from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
+from hisparse_ray.types import BatchRow, RequestId, StepCommand, TableDiff
+
+
+def _us(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median_us": statistics.median(xs) * 1e6, "p90_us": xs[int(0.9 * (len(xs) - 1))] * 1e6,
+            "n": len(xs)}
+
+
+def _step_sized_command(rows: int = 16) -> StepCommand:
+    """A StepCommand of a realistic size (batch of ``rows`` with hot blocks and table diffs)."""
+    batch = tuple(BatchRow(RequestId(f"req-{i:04d}"), 4000 + i, 17, tuple(range(3 * i, 3 * i + 3)))
+                  for i in range(rows))
+    diffs = tuple(TableDiff(RequestId(f"req-{i:04d}"), 62, 100 + i, -1) for i in range(rows))
+    return StepCommand(1, 0, batch, diffs)
+
+
+def bench_control_plane(rep, probes: int) -> dict:
+    coord, ranks = rep.coordinator, rep.ranks
+    ray.get(coord.probe_control_plane.remote(50))  # warm-up
+    shm = ray.get(coord.probe_control_plane.remote(probes))
+    cmd = _step_sized_command()
+    for _ in range(20):
+        ray.get(ranks[0].ping.remote(cmd))
+    plain, fanout = [], []
+    for _ in range(min(probes, 500)):
+        t0 = time.perf_counter()
+        ray.get(ranks[0].ping.remote(cmd))
+        plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ray.get([r.ping.remote(cmd) for r in ranks])
+        fanout.append(time.perf_counter() - t0)
+    # real decode steps: run a few host-tier requests, then compare per-step logs
+    rng = random.Random(0)
+    for i in range(4):
+        ray.get(coord.submit.remote(f"cp{i}", [rng.randrange(1, 96) for _ in range(150)], 24))
+    ray.get(coord.wait.remote(None, 600))
+    coord_log = dict(ray.get(coord.get_step_log.remote()))
+    rank_logs = [dict(x) for x in ray.get([r.get_step_log.remote() for r in ranks])]
+    overhead = [rt - max(log[s] for log in rank_logs) for s, rt in coord_log.items()
+                if all(s in log for log in rank_logs)]
+    return {"shm_empty_step_round_trip": _us(shm), "real_step_overhead": _us(overhead),
+            "ray_call_one_rank": _us(plain), "ray_call_fanout_tp2": _us(fanout)}
+
+
+def bench_landing(rep, tokens: int, repeats: int) -> dict:
+    coord = rep.coordinator
+    rng = random.Random(1)
+    out = {}
+    for path, index in (("direct", 0), ("staged", 1)):
+        gbps, data_gbps, nbytes = [], [], 0
+        for i in range(repeats):
+            rid = f"land-{path}-{i}"
+            ray.get(coord.submit.remote(rid, [rng.randrange(1, 96) for _ in range(tokens)], 1,
+                                        None, index))
+            (row,) = ray.get(coord.wait.remote([rid], 600))
+            assert row["error"] is None and row["landing_path"] == path, row
+            nbytes = row["landing_bytes"]
+            gbps.append(nbytes / row["landing_s"] / 1e9)
+            data_gbps.append(nbytes / row["landing_data_s"] / 1e9)
+        out[path] = {"bytes": nbytes, "median_GBps": statistics.median(data_gbps),
+                     "with_orchestration_GBps": statistics.median(gbps), "runs": len(gbps)}
+    src = torch.randint(0, 255, (out["direct"]["bytes"],), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    out["plain_copy"] = {"bytes": src.numel(), "median_GBps": src.numel() / statistics.median(times) / 1e9}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--probes", type=int, default=2000)
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt length of landing runs")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="results/bench_control_plane.json")
+    args = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), num_gpus=1 if gpu else 0,
+             include_dashboard=False, log_to_driver=False)
+    try:
+        model = ModelSpec(dtype="bfloat16" if gpu else "float32")
+        spec = ReplicaSpec(model=model, tp_size=2, num_device_blocks=32, staging_blocks=64,
+                           gpus_per_rank=0.5 if gpu else 0.0, replica_id="bench")
+        pspec = PrefillSpec(model=model, max_prompt_tokens=max(args.tokens, 256),
+                            gpus=0.0, name="direct")
+        rep = launch.launch_deployment(spec, pspec)
+        staged = launch._remote(PrefillWorker, **launch.prefill_options(
+            PrefillSpec(model=model, max_prompt_tokens=max(args.tokens, 256), name="staged"))
+        ).remote(PrefillSpec(model=model, max_prompt_tokens=max(args.tokens, 256), name="staged"))
+        ray.get(staged.ready.remote())
+        launch.connect(rep, staged, "staged")
+        try:
+            cp = bench_control_plane(rep, args.probes)
+            land = bench_landing(rep, args.tokens, args.repeats)
+        finally:
+            rep.shutdown()
+    finally:
+        ray.shutdown()
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": f"{platform.node()} {os.cpu_count()} cores, "
+                         f"{'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU only'}",
+              "control_plane": cp, "landing": land}
+    print(f"\ncontrol plane at TP 2 ({result['machine']}):")
+    print(f"{'measurement':<32} {'median us':>10} {'p90 us':>10} {'n':>6}")
+    for k, v in cp.items():
+        print(f"{k:<32} {v['median_us']:>10.1f} {v['p90_us']:>10.1f} {v['n']:>6}")
+    ratio = cp["ray_call_one_rank"]["median_us"] / cp["shm_empty_step_round_trip"]["median_us"]
+    print(f"plain Ray call / shm step round trip: {ratio:.1f}x")
+    print(f"\nlanding ({args.tokens} prompt tokens):")
+    print(f"{'path':<12} {'bytes':>10} {'GB/s':>8} {'vs plain copy':>14} {'+Ray calls GB/s':>16}")
+    for k, v in land.items():
+        print(f"{k:<12} {v['bytes']:>10} {v['median_GBps']:>8.3f} "
+              f"{v['median_GBps'] / land['plain_copy']['median_GBps']:>13.3f}x "
+              f"{v.get('with_orchestration_GBps', v['median_GBps']):>16.3f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Multi-node run (executed in its own process by test_multinode.py; also runnable by hand:
+``python -m tests.e2e.multinode_main``). A ``ray.cluster_utils.Cluster`` with two raylets on this
+machine: the decode replica is pinned to the head node, the prefill worker to the second node, and
+KV crosses between them with NIXL. It cannot share the pytest session cluster (one ``ray.init`` per
+process), hence the subprocess. Prints one JSON line with node ids and per-request outcomes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import ray
+from ray.cluster_utils import Cluster
+
+from hisparse_ray.actors import launch
+from hisparse_ray.actors.reference import full_resident_tokens
+from hisparse_ray.actors.spec import PrefillSpec, ReplicaSpec
+
+
+def main() -> int:
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"decode_node": 1}})
+    cluster.add_node(num_cpus=1, resources={"prefill_node": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        cluster.wait_for_nodes()
+        spec = ReplicaSpec(tp_size=2, num_device_blocks=12, replica_id="mn")
+        replica = launch.launch_deployment(
+            spec, PrefillSpec(), decode_resources={"decode_node": 0.01},
+            prefill_resources={"prefill_node": 0.01})
+        try:
+            ranks = ray.get([r.node_info.remote() for r in replica.ranks])
+            prefill_node = ray.get(replica.prefill[0].node_info.remote())
+            prompts = [list(range(1, 90)), [7, 3] * 40, list(range(95, 70, -1))]
+            rids = [f"mn{i}" for i in range(len(prompts))]
+            for rid, p in zip(rids, prompts):
+                ray.get(replica.coordinator.submit.remote(rid, p, 6))
+            rows = ray.get(replica.coordinator.wait.remote(rids, 300))
+        finally:
+            replica.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    ref = full_resident_tokens(spec.model, prompts, 6, rids)
+    print(json.dumps({
+        "decode_nodes": sorted({r["node_id"] for r in ranks}),
+        "prefill_node": prefill_node["node_id"],
+        "rows": [{k: r[k] for k in ("request_id", "target", "landing_path", "tokens", "error")}
+                 for r in rows],
+        "reference": ref,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
