@@ -361,3 +361,12 @@ def test_unknown_request_ids_raise():
     for f in (c.finish, c.apply_landed, c.apply_landing_failed, c.restore, c.view):
         with pytest.raises(UnknownRequestError):
             f("nope")
+
+
+def test_everything_that_crosses_a_process_boundary_pickles():
+    c = make(dev=2, host=8, tp=2)
+    adm = c.admit("a", [1, 2, 3, 4, 5], 2)
+    c.apply_landed("a")
+    cmds = c.take_commands()
+    for obj in (adm, c.view("a"), c.counters, *cmds):
+        assert pickle.loads(pickle.dumps(obj)) == obj
