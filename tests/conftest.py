@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# One intra-op thread per process: on 2 cores shared with Ray workers, torch's OpenMP pool spins
+# against the other processes (measured: an engine test took 26.8 s with 2 threads, 1.1 s with 1).
+# Set before torch is imported; Ray workers inherit it from the driver's environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 
 def _cuda_available() -> bool:
