@@ -48,6 +48,7 @@ class DecodeWorker:
         self._thread: threading.Thread | None = None
         self._channel: ChannelPair | None = None
         self._error: BaseException | None = None
+        self._sync_host_writes = spec.use_cuda and spec.tp_size > 1 and rank == 0
         self.steps = 0
         self.step_s = 0.0
         self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, execute s)
@@ -217,6 +218,12 @@ class DecodeWorker:
                 t0 = time.perf_counter()
                 with self._lock:
                     report = self.executor.execute(cmd)
+                    if self._sync_host_writes:
+                        # TP peers read host rows rank 0 wrote this step (newest-row backups,
+                        # spills) in their next forward without waiting on rank 0's copy events:
+                        # finish those copies before the report lets the coordinator go on.
+                        for _, handle in self.executor._pending:
+                            handle.wait()
                 dt = time.perf_counter() - t0
                 self.step_s += dt
                 self.steps += 1

@@ -63,7 +63,7 @@ def _specs(args: argparse.Namespace, cfg: HiSparseConfig):
     from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
 
     gpu = _use_gpu(args.device)
-    model = ModelSpec(kind=args.model, seed=args.seed, dtype="bfloat16" if gpu else "float32")
+    model = ModelSpec(kind=args.model, seed=args.seed, dtype=args.dtype)
     replica = ReplicaSpec(model=model, hisparse=cfg, page_size=args.page_size,
                           num_device_blocks=args.device_blocks, tp_size=args.tp,
                           gpus_per_rank=(1.0 / args.tp) if gpu else 0.0)
@@ -249,6 +249,9 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="device pool blocks per rank (small: long contexts land on the host tier)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="model and KV dtype (the exactness check batches differently from the "
+                        "reference; float32 keeps greedy choices robust to that)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
 
 

@@ -128,6 +128,20 @@ def test_concurrent_submitters_random_routes_hammer(replica):
     assert c["device_blocks_used"] == 0 and c["host_blocks_used"] == 0
 
 
+def test_generate_path_text_prompts_through_the_cli_helpers(replica, capsys):
+    from hisparse_ray import cli
+
+    tok = cli.ByteTokenizer()
+    requests = [("p0", tok.encode("HiSparse keeps a small hot buffer on the GPU. " * 3)),
+                ("p1", tok.encode("ok"))]
+    rows = {r["request_id"]: r for r in cli.run_requests(replica, requests, 5)}
+    assert "progress" in capsys.readouterr().out
+    ref = _reference(requests, 5)
+    for rid, _ in requests:
+        assert rows[rid]["tokens"] == ref[rid]
+        assert len(tok.decode(rows[rid]["tokens"])) == 5
+
+
 def test_failed_transfer_fails_request_and_leaves_no_lease(replica):
     """Runs last: it breaks the staged prefill worker for good."""
     eps = ray.get(replica.coordinator.endpoints_view.remote())

@@ -1,0 +1,48 @@
+"""The ``hisparse-ray`` command line without starting Ray: tokenizer, config loading, arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hisparse_ray import cli
+from hisparse_ray.config import HiSparseConfig
+from hisparse_ray.errors import ConfigError
+
+
+def test_byte_tokenizer_round_trips_printable_ascii_and_marks_the_rest():
+    tok = cli.ByteTokenizer()
+    assert tok.encode("Hi ~") == [ord("H") - 31, ord("i") - 31, 1, 95]
+    assert tok.decode(tok.encode("sparse attention!")) == "sparse attention!"
+    assert tok.encode("é\n") == [0, 0, 0]  # two UTF-8 bytes + newline: outside the vocabulary
+    assert max(tok.encode("".join(map(chr, range(32, 127))))) < tok.vocab_size
+
+
+def test_config_inline_file_and_default(tmp_path):
+    inline = '{"top_k": 8, "device_buffer_size": 32, "host_to_device_ratio": 2, ' \
+             '"swap_in_block_size": 64, "host_pool_gib": 0.5}'
+    assert cli.load_config(inline).device_buffer_size == 32
+    path = tmp_path / "hs.json"
+    path.write_text(inline)
+    assert cli.load_config(str(path)) == cli.load_config(inline)
+    assert cli.load_config(None) == HiSparseConfig.from_dict(cli.DEMO_CONFIG)
+
+
+def test_invalid_config_names_the_key():
+    bad = json.dumps({**cli.DEMO_CONFIG, "swap_in_block_size": 48})
+    with pytest.raises(ConfigError, match="swap_in_block_size"):
+        cli.load_config(bad)
+    with pytest.raises(ConfigError, match="hisparse-config"):
+        cli.load_config("{not json")
+
+
+def test_parser_demo_defaults_and_generate_arguments():
+    p = cli.build_parser()
+    a = p.parse_args(["demo"])
+    assert (a.tp, a.requests, a.func) == (2, 4, cli._cmd_demo)
+    g = p.parse_args(["generate", "--prompt", "hello", "--ids", "1,2,3", "--tp", "1", "--json",
+                      "--device", "cpu"])
+    assert g.prompt == ["hello"] and g.ids == ["1,2,3"] and g.tp == 1 and g.json
+    replica, prefill = cli._specs(g, cli.load_config(None))
+    assert replica.tp_size == 1 and replica.gpus_per_rank == 0 and prefill.gpus == 0
