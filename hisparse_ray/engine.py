@@ -1,0 +1,191 @@
+"""In-process decode engine (TP 1, one process): the coordinator core, one HiSparseWorker, the model
+and a private host pool, driven step by step with continuous batching (ring 2).
+
+Per ``step()``: admit what fits (new and waiting requests), prefill and land each admitted prefix
+locally (device pages for a resident landing, host blocks for the host tier), then take the step's
+command, execute it and apply the report. ``full_resident=True`` sizes the device pool so that every
+request lands on resident pages and never spills: the same code path with all KV on the device, the
+baseline every comparison uses. The actor system runs the same pieces across processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from hisparse_ray.config import HiSparseConfig, KVLayout
+from hisparse_ray.core.config import CoordinatorConfig
+from hisparse_ray.core.coordinator import Coordinator
+from hisparse_ray.errors import ConfigError, DuplicateRequestError, StateError
+from hisparse_ray.hostpool import HostPool
+from hisparse_ray.types import RequestId, RequestState
+from hisparse_ray.worker import HiSparseWorker, SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizing of one in-process engine.
+
+    num_device_blocks: device pool blocks (``page_size`` rows per layer each) for resident pages and
+        hot buffers; ignored (grown) in full-resident mode.
+    full_resident: every request lands on resident device pages (the exactness baseline).
+    """
+
+    hisparse: HiSparseConfig = field(default_factory=lambda: HiSparseConfig(
+        top_k=8, device_buffer_size=16, host_to_device_ratio=4, swap_in_block_size=64,
+        host_pool_gib=0.01))
+    page_size: int = 8
+    num_device_blocks: int = 8
+    max_batch: int = 16
+    full_resident: bool = False
+    device: str = "cpu"
+    backend: str = "auto"
+    batch_invariant: bool = True  # see HiSparseWorker: exact across schedules; False = throughput
+
+    def __post_init__(self) -> None:
+        for key in ("page_size", "num_device_blocks", "max_batch"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(key, v, "must be an integer >= 1")
+
+    def layout(self, model_cfg: Any, dtype: torch.dtype) -> KVLayout:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return KVLayout(num_layers=model_cfg.num_hidden_layers, page_size=self.page_size,
+                        row_bytes=model_cfg.row_dim * itemsize)
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_id: int | None
+
+
+class Engine:
+    """Prefill + continuous-batching decode through the coordinator core and the worker runtime.
+
+    Lifecycle: ``add_request`` (any time) -> ``step`` until ``done`` (or ``run``) -> ``result`` ->
+    ``close`` (destroys the host pool segment). Also a context manager.
+    """
+
+    def __init__(self, model: Any, config: EngineConfig | None = None) -> None:
+        self.model, self.config = model, config or EngineConfig()
+        c = self.config
+        self.layout = c.layout(model.cfg, model.dtype)
+        num_host = self.layout.host_blocks(c.hisparse.host_pool_gib)
+        if num_host < 1:
+            raise ConfigError("host_pool_gib", c.hisparse.host_pool_gib,
+                              f"must hold at least one host block ({self.layout.block_bytes} B)")
+        hot_blocks = -(-(c.hisparse.device_buffer_size + 1) // c.page_size)
+        num_device = c.num_device_blocks
+        if c.full_resident:
+            num_device = max(num_device, num_host + hot_blocks)
+        self.core = Coordinator(CoordinatorConfig(
+            num_device_blocks=num_device, num_host_blocks=num_host, page_size=c.page_size,
+            device_buffer_size=c.hisparse.device_buffer_size, max_batch=c.max_batch,
+            page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token))
+        self.pool = HostPool.create(f"engine{os.getpid()}-{next(_ids)}", self.layout, num_host)
+        try:
+            self.worker = HiSparseWorker(
+                model, c.hisparse, self.layout, num_device, self.pool, device=c.device,
+                max_requests=max(c.max_batch, num_device) + 1, backend=c.backend,
+                batch_invariant=c.batch_invariant)
+        except BaseException:
+            self.pool.destroy()
+            raise
+        self._pending: dict[RequestId, _Pending] = {}
+        self._known: dict[RequestId, _Pending] = {}
+        self.steps = 0
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, *,
+                    sampling: SamplingParams | None = None, eos_token_id: int | None = None) -> None:
+        rid = RequestId(request_id)
+        if rid in self._known:
+            raise DuplicateRequestError(rid)
+        p = _Pending(list(prompt), max_new_tokens, eos_token_id)
+        adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id)  # validates first
+        self._known[rid] = p
+        self.worker.set_sampling(rid, sampling or SamplingParams())
+        if adm is not None:
+            self._land(adm)
+        else:
+            self._pending[rid] = p
+
+    def _land(self, adm) -> None:
+        p = self._known[adm.request_id]
+        T = adm.num_positions
+        keys = None
+        if T:
+            tokens = torch.tensor(p.prompt[:T], dtype=torch.int64, device=self.model.device)
+            with torch.no_grad():
+                _, kv_rows, keys = self.model.prefill(tokens)
+            self.worker.land_local(adm, kv_rows)
+        self.worker.install_index_keys(adm.request_id, keys, T + p.max_new_tokens + 1)
+        self._pending.pop(adm.request_id, None)
+        self.core.apply_landed(adm.request_id)
+
+    # -- stepping --------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit what fits, run one decode step. False when nothing could be done."""
+        for adm in self.core.poll_waiting():
+            self._land(adm)
+        cmds = self.core.take_commands()
+        if not cmds:
+            return False
+        for cmd in cmds:
+            with torch.no_grad():
+                report = self.worker.execute(cmd)
+            self.core.apply_report(report)
+        self.steps += 1
+        return True
+
+    @property
+    def done(self) -> bool:
+        return all(self.core.view(r).state in (RequestState.FINISHED, RequestState.RELEASED)
+                   for r in self._known)
+
+    def run(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:
+        """Step until every request finished; returns generated tokens per request."""
+        idle = 0
+        for _ in range(max_steps):
+            if self.done:
+                break
+            idle = 0 if self.step() else idle + 1
+            if idle > 3:
+                raise StateError("engine made no progress: a request can never be scheduled")
+        while self.step():  # drain in-flight transfers of finished requests
+            pass
+        return {r: self.result(r) for r in self._known}
+
+    def result(self, request_id: str) -> list[int]:
+        v = self.core.view(RequestId(request_id))
+        return list(v.tokens[v.prompt_len:])
+
+    def close(self) -> None:
+        try:
+            self.worker.close()
+        finally:
+            self.pool.destroy()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             config: EngineConfig | None = None, **kw: Any) -> list[list[int]]:
+    """Convenience: run ``prompts`` through a fresh engine; tokens per prompt, in order."""
+    with Engine(model, config) as eng:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"req{i}", p, max_new_tokens, **kw)
+        out = eng.run()
+    return [out[f"req{i}"] for i in range(len(prompts))]
