@@ -102,6 +102,8 @@ class Engine:
         self._pending: dict[RequestId, _Pending] = {}
         self._known: dict[RequestId, _Pending] = {}
         self.steps = 0
+        # prefill_hook(request_id, layer, topk) may record or replace a prefill's top-k (tests, tools)
+        self.prefill_hook: Any = None
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, *,
@@ -124,8 +126,12 @@ class Engine:
         keys = None
         if T:
             tokens = torch.tensor(p.prompt[:T], dtype=torch.int64, device=self.model.device)
+            hook = None
+            if self.prefill_hook is not None:
+                rid = adm.request_id
+                hook = lambda layer, topk: self.prefill_hook(rid, layer, topk)  # noqa: E731
             with torch.no_grad():
-                _, kv_rows, keys = self.model.prefill(tokens)
+                _, kv_rows, keys = self.model.prefill(tokens, topk_hook=hook)
             self.worker.land_local(adm, kv_rows)
         self.worker.install_index_keys(adm.request_id, keys, T + p.max_new_tokens + 1)
         self._pending.pop(adm.request_id, None)

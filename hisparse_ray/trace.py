@@ -30,15 +30,16 @@ SCHEMA = pa.schema([
 
 
 class TopkTraceRecorder:
-    """Collects top-k selections; pass ``recorder.hook`` as the model's ``topk_hook`` after calling
-    ``begin_step(step, request_ids, seq_lens)`` for the step's batch."""
+    """Collects top-k selections. Set it as ``HiSparseWorker.trace`` (the worker calls
+    ``begin_step(step, rows)`` before each forward and passes ``hook`` as the model's
+    ``topk_hook``), or drive it by hand with ``BatchRow``-like rows (``request_id``, ``seq_len``)."""
 
     def __init__(self) -> None:
         self._cols: dict[str, list] = {name: [] for name in SCHEMA.names}
         self._batch: tuple[int, list[str], list[int]] | None = None
 
-    def begin_step(self, step: int, request_ids: list[str], seq_lens: list[int]) -> None:
-        self._batch = (step, list(request_ids), list(seq_lens))
+    def begin_step(self, step: int, rows) -> None:
+        self._batch = (step, [r.request_id for r in rows], [r.seq_len for r in rows])
 
     def hook(self, layer: int, topk: Tensor) -> None:
         if self._batch is None:

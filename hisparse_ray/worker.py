@@ -95,7 +95,7 @@ class HiSparseWorker:
         self.samplers: dict[RequestId, _Sampler] = {}
         self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
         self.batch_invariant = batch_invariant
-        self.trace: Any = None  # a TopkTraceRecorder: records every anchor layer's top-k
+        self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
         self.on_logits: Any = None  # on_logits(cmd, logits [B, V]) after each forward (tests, tools)
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
                          "backups": 0}
@@ -261,7 +261,7 @@ class HiSparseWorker:
             caches = [self._index_cache(r.request_id, r.seq_len) for r in rows]
             rt.begin_step(rows)
             if self.trace is not None:
-                self.trace.begin_step(cmd.step, [r.request_id for r in rows], [r.seq_len for r in rows])
+                self.trace.begin_step(cmd.step, rows)
             ids = torch.tensor([r.input_token for r in rows], dtype=torch.int64, device=self.device)
             pos = torch.tensor([r.seq_len - 1 for r in rows], dtype=torch.int64, device=self.device)
             hook = self.trace.hook if self.trace is not None else None
