@@ -10,7 +10,7 @@ prefill -> decode landing GB/s, each against its baseline measured in the same r
    bytes in this process; also with the Ray orchestration calls (notification wait, key install).
 
 Usage: ``python benchmarks/bench_control_plane.py [--probes 2000] [--tokens 2048]``. Prints a table
-and writes ``results/bench_control_plane.json``.
+and writes ``benchmarks/results/control_plane.json``.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> int:
     ap.add_argument("--probes", type=int, default=2000)
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length of landing runs")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="results/bench_control_plane.json")
+    ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), num_gpus=1 if gpu else 0,
