@@ -31,6 +31,7 @@ from hisparse_ray.errors import (
 from hisparse_ray.types import Admission, RequestId, RequestState
 
 IDLE_WAIT_S = 0.02
+REPORT_POLL_S = 0.005  # per-channel wait while collecting a step's reports
 
 
 @dataclass
@@ -278,6 +279,27 @@ class Coordinator:
             "landing_paths": [lander.path for lander in self._landers],
         }
 
+    def _gather_reports(self, timeout: float) -> list:
+        """One report per rank, taken in whatever order they arrive, so that a dead rank is
+        noticed at once (``ChannelPeerLostError``) even while a live one is blocked in a
+        collective waiting for it. ``ChannelTimeoutError`` after ``timeout`` s."""
+        from hisparse_ray.errors import ChannelTimeoutError
+
+        reports: list = [None] * len(self._channels)
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, ch in enumerate(self._channels):
+                if reports[i] is None:
+                    try:
+                        reports[i] = ch.recv(REPORT_POLL_S)
+                    except ChannelTimeoutError:
+                        pass
+            if all(r is not None for r in reports):
+                return reports
+            if time.monotonic() >= deadline:
+                missing = [i for i, r in enumerate(reports) if r is None]
+                raise ChannelTimeoutError(f"no step report from ranks {missing} after {timeout} s")
+
     def get_step_log(self) -> list[tuple[int, float]]:
         """(step, command-to-last-report seconds) of the recent steps (benchmarks)."""
         return list(self.step_log)
@@ -296,7 +318,7 @@ class Coordinator:
                 t0 = time.perf_counter()
                 for ch, cmd in zip(self._channels, cmds):
                     ch.send(cmd, timeout)
-                reports = [ch.recv(timeout) for ch in self._channels]
+                reports = self._gather_reports(timeout)
                 out.append(time.perf_counter() - t0)
                 if [(r.step, r.rank) for r in reports] != [(c.step, c.rank) for c in cmds]:
                     raise StateError(f"probe reports out of order: {reports}")
@@ -319,7 +341,7 @@ class Coordinator:
                     t0 = time.perf_counter()
                     for ch, cmd in zip(self._channels, cmds):
                         ch.send(cmd, timeout)
-                    reports = [ch.recv(timeout) for ch in self._channels]
+                    reports = self._gather_reports(timeout)
                     dt = time.perf_counter() - t0
                 self.step_s.append(dt)
                 self.step_log.append((cmds[0].step, dt))

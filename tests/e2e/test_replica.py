@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import ray
@@ -163,3 +164,23 @@ def test_failed_transfer_fails_request_and_leaves_no_lease(replica):
     # the replica keeps serving through the healthy peers
     ok = [("after-fail", _prompt(rng, 60))]
     assert _run(replica, ok, 4, DIRECT)["after-fail"]["tokens"] == _reference(ok, 4)["after-fail"]
+
+
+def test_a_dead_rank_fails_the_replica_promptly_with_a_typed_error(replica):
+    """Runs after every other test of the module: it kills rank 1. Rank 0 is then stuck in the
+    TP all-reduce; the coordinator still notices the dead peer through its channel at once."""
+    from hisparse_ray.errors import StateError
+
+    rng = random.Random(6)
+    ray.get(replica.coordinator.submit.remote("doomed", _prompt(rng, 40), 10_000, None, DIRECT))
+    deadline = time.monotonic() + 60
+    while ray.get(replica.coordinator.progress.remote())["doomed"][0] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ray.kill(replica.ranks[1], no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(StateError, match="ChannelPeerLostError"):
+        ray.get(replica.coordinator.wait.remote(["doomed"], 60))
+    assert time.monotonic() - t0 < 30  # not the 60 s step timeout
+    with pytest.raises(StateError, match="replica failed"):
+        ray.get(replica.coordinator.submit.remote("late", [1, 2, 3], 2))
