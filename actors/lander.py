@@ -19,7 +19,7 @@ import ray
 from hisparse_ray.actors.landing import (
     LandingDest, LandingOrder, StagingPool, chunks, page_positions,
 )
-from hisparse_ray.errors import HiSparseError, TransferError
+from hisparse_ray.errors import HiSparseError
 from hisparse_ray.types import Admission, LandingTarget
 
 if TYPE_CHECKING:
