@@ -54,6 +54,7 @@ class RequestRecord:
     landing_s: float = 0.0  # after prefill: WRITEs, notifications, staging copies, key install
     landing_data_s: float = 0.0  # data movement only: NIXL WRITEs + staging copies
     landing_path: str = ""
+    abort_requested: bool = False
 
     @property
     def done(self) -> bool:
@@ -194,24 +195,53 @@ class Coordinator:
 
     def landed(self, request_id: str, nbytes: int, seconds: float, data_s: float,
                path: str) -> None:
-        """Lander callback: the request's KV and index keys are on every rank."""
-        with self.lock:
-            self.core.apply_landed(RequestId(request_id))
+        """Lander callback: the request's KV and index keys are on every rank; it may decode."""
+        with self.cond:
             rec = self.records[request_id]
+            self.core.apply_landed(RequestId(request_id))
             rec.landed = time.monotonic()
             rec.landing_bytes, rec.landing_s, rec.landing_path = nbytes, seconds, path
             rec.landing_data_s = data_s
+            if rec.abort_requested:  # aborted while landing: finish it before any step
+                self.core.finish(RequestId(request_id))
+                self._collect(request_id)
+                for r in self.ranks:  # no step ever named it: drop its keys on the ranks
+                    r.drop_landing.remote(request_id)
+                self.cond.notify_all()
         self._wake.set()
 
-    def landing_failed(self, request_id: str, error: BaseException) -> None:
+    def landing_failed(self, request_id: str, error: BaseException | None) -> None:
         """Lander callback: the landing failed after its retries; release every lease now."""
         with self.cond:
-            self.core.apply_landing_failed(RequestId(request_id))
             rec = self.records[request_id]
-            rec.error = error
+            self.core.apply_landing_failed(RequestId(request_id))
+            rec.error = None if rec.abort_requested else error
             self._collect(request_id)
             self.cond.notify_all()
         self._wake.set()
+
+    def abort_requested(self, request_id: str) -> bool:
+        """Lander: whether to skip this landing (the request was aborted while queued)."""
+        with self.lock:
+            return self.records[request_id].abort_requested
+
+    def abort(self, request_id: str) -> list[int]:
+        """Finish a request now (any state before done); its leases are released as soon as
+        nothing of it is in flight. Returns the tokens generated so far."""
+        with self.cond:
+            rec = self.records.get(request_id)
+            if rec is None:
+                raise UnknownRequestError(request_id)
+            if not rec.done:
+                rec.abort_requested = True
+                if self.core.view(RequestId(request_id)).state is not RequestState.LANDING:
+                    self.core.finish(RequestId(request_id))
+                    self._collect(request_id)
+                # LANDING: the lander may be writing into its blocks; it finishes the request
+                # (landed or failed) so no block is released under a WRITE
+                self.cond.notify_all()
+        self._wake.set()
+        return list(rec.tokens)
 
     def endpoints_view(self) -> list[dict]:
         """The ranks' NIXL endpoints (agent, node, region counts) for tools and tests."""
@@ -371,10 +401,12 @@ class Coordinator:
                 rec.hot_hits += hits
                 rec.hot_misses += misses
         for row in cmd.batch:
-            rid = row.request_id
-            view = self.core.view(rid)
+            rec = self.records.get(row.request_id)
+            if rec is None or rec.done:
+                continue
+            view = self.core.view(row.request_id)
             if view.state in (RequestState.FINISHED, RequestState.RELEASED):
-                self._collect(rid)
+                self._collect(row.request_id)
 
     def _collect(self, rid: str) -> None:
         """(lock held) Record a finished request's outcome and let the core forget it."""
@@ -383,7 +415,7 @@ class Coordinator:
             return
         view = self.core.view(RequestId(rid))
         rec.tokens = view.tokens[view.prompt_len:]
-        rec.finish_reason = view.finish_reason
+        rec.finish_reason = "abort" if rec.abort_requested else view.finish_reason
         rec.finished = time.monotonic()
         self.core.free(RequestId(rid))
         self._prompts.pop(rid, None)

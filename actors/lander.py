@@ -61,6 +61,9 @@ class Lander:
                 return
             adm, prompt = item
             rid = adm.request_id
+            if self.coord.abort_requested(rid):  # aborted while queued: release, land nothing
+                self.coord.landing_failed(rid, None)
+                continue
             try:
                 nbytes, seconds, data_s, path = self.land(adm, prompt)
             except (HiSparseError, ray.exceptions.RayError, TimeoutError) as err:

@@ -129,6 +129,33 @@ def test_concurrent_submitters_random_routes_hammer(replica):
     assert c["device_blocks_used"] == 0 and c["host_blocks_used"] == 0
 
 
+def test_abort_running_and_landing_requests_releases_their_leases(replica):
+    rng = random.Random(7)
+    coord = replica.coordinator
+    ray.get(coord.submit.remote("ab-run", _prompt(rng, 90), 10_000, None, DIRECT))
+    deadline = time.monotonic() + 60
+    while ray.get(coord.progress.remote())["ab-run"][0] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # queued behind a long landing on the same lander, then aborted before its own landing
+    survivor = ("ab-a", _prompt(rng, 150))
+    ray.get(coord.submit.remote(*survivor, 4, None, DIRECT))
+    ray.get(coord.submit.remote("ab-b", _prompt(rng, 130), 4, None, DIRECT))
+    ray.get(coord.abort.remote("ab-b"))
+    got = ray.get(coord.abort.remote("ab-run"))
+    assert len(got) >= 2
+    rows = {r["request_id"]: r for r in ray.get(coord.wait.remote(["ab-run", "ab-a", "ab-b"], 120))}
+    assert rows["ab-run"]["finish_reason"] == "abort" and rows["ab-run"]["error"] is None
+    assert rows["ab-b"]["finish_reason"] == "abort" and rows["ab-b"]["tokens"] == []
+    assert rows["ab-a"]["tokens"] == _reference([survivor], 4)["ab-a"]
+    while True:  # the last in-flight backup of "ab-run" is acknowledged by the next step
+        c = ray.get(coord.metrics.remote())["counters"]
+        if c["device_blocks_used"] == 0 and c["host_blocks_used"] == 0:
+            break
+        assert time.monotonic() < deadline + 60, c
+        time.sleep(0.05)
+
+
 def test_generate_path_text_prompts_through_the_cli_helpers(replica, capsys):
     from hisparse_ray import cli
 
