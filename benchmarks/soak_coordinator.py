@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             row[key] += getattr(c, attr)
         done += n
         run += 1
+        print(f"  {done} / {args.ops} operations, violations so far: "
+              f"{sum(r['violations'] for r in rows.values())}", file=sys.stderr, flush=True)
     dt = time.perf_counter() - t0
 
     cols = ["config", "ops", "steps", "spills", "restores", "backups", "hits", "evictions",
