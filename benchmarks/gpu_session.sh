@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU session on the H200 (device tool): every `gpu` test and every benchmark, logs under $OUT.
+# Call 1 (carry .device-wheels/ray):   bash benchmarks/gpu_session.sh ray
+# Call 2 (carry .device-wheels/nixl):  bash benchmarks/gpu_session.sh run [pytest paths...]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+case "${1:-run}" in
+  ray)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
+    python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
+    ;;
+  run)
+    shift
+    if [ -d .device-wheels/nixl ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/nixl/*.whl
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
+      python3 -m pip install --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -5
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    python3 -c "import torch, cupy, ray, nixl, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
+    paths=("$@")
+    [ ${#paths[@]} -gt 0 ] || paths=(tests)
+    timeout 330 python3 -m pytest -q -m gpu -s -p no:cacheprovider "${paths[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    for b in "bench_decode.py --out $OUT/decode.json" "bench_copies.py" \
+             "bench_landing.py --src cuda --dst cpu" "bench_landing.py --src cuda --dst cuda" \
+             "bench_channel.py"; do
+      echo "== $b"
+      timeout 60 python3 benchmarks/$b 2>&1 | tail -25 | tee -a "$OUT/benches.log"
+    done
+    ;;
+esac
