@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from hisparse_ray.actors.landing import RankEndpoint
+from hisparse_ray.actors.landing import RankEndpoint, StagingPool
 from hisparse_ray.actors.lander import Lander
 from hisparse_ray.actors.spec import ReplicaSpec
 from hisparse_ray.channel import ChannelPair
@@ -103,6 +103,8 @@ class Coordinator:
         self._route: dict[str, int] = {}
         self._channels: list[ChannelPair] = []
         self._landers: list[Lander] = []
+        blocks = self.endpoints[0].staging_blocks
+        self.staging = StagingPool(blocks) if blocks else None  # rank 0's, FIFO over all landers
         self._next_lander = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -307,6 +309,8 @@ class Coordinator:
             "steps": len(steps),
             "step_ms_median": steps[len(steps) // 2] * 1e3 if steps else None,
             "landing_paths": [lander.path for lander in self._landers],
+            "staging_blocks": self.staging.capacity if self.staging else 0,
+            "staging_free_blocks": self.staging.num_free if self.staging else 0,
         }
 
     def _gather_reports(self, timeout: float) -> list:

@@ -37,8 +37,7 @@ class Lander:
     def __init__(self, coord: "Coordinator", prefill: Any, agent: str, *, direct: bool) -> None:
         self.coord, self.prefill, self.agent = coord, prefill, agent
         self.path = "direct" if direct else "staged"
-        ep0 = coord.endpoints[0]
-        self.staging = StagingPool(ep0.staging_blocks) if ep0.staging_blocks else None
+        self.staging: StagingPool | None = coord.staging  # one per replica, shared by landers
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"lander-{agent}", daemon=True)
         self._stop = threading.Event()

@@ -33,6 +33,7 @@ def replica(ray_cluster):
     ray.get([w.ready.remote() for w in workers])
     paths = [launch.connect(rep, w, mode) for w, mode in zip(workers, ("auto", "staged"))]
     assert paths == ["direct", "staged"]  # "auto" on CPU: the transport writes DRAM natively
+    assert ray.get(rep.coordinator.metrics.remote())["staging_blocks"] == SPEC.staging_blocks
     yield rep
     rep.shutdown()
 
@@ -125,8 +126,9 @@ def test_concurrent_submitters_random_routes_hammer(replica):
     ref = _reference(requests, 6)
     for rid, _ in requests:
         assert rows[rid]["error"] is None and rows[rid]["tokens"] == ref[rid], rid
-    c = ray.get(replica.coordinator.metrics.remote())["counters"]
-    assert c["device_blocks_used"] == 0 and c["host_blocks_used"] == 0
+    m = ray.get(replica.coordinator.metrics.remote())
+    assert m["counters"]["device_blocks_used"] == 0 and m["counters"]["host_blocks_used"] == 0
+    assert m["staging_free_blocks"] == SPEC.staging_blocks
 
 
 def test_abort_running_and_landing_requests_releases_their_leases(replica):
