@@ -18,7 +18,9 @@ from hisparse_ray.actors import tp
 from hisparse_ray.actors.landing import RankEndpoint
 from hisparse_ray.actors.spec import ReplicaSpec
 from hisparse_ray.channel import ChannelPair, ChannelSpec
-from hisparse_ray.errors import ChannelClosedError, ChannelPeerLostError, ChannelTimeoutError, StateError
+from hisparse_ray.errors import (
+    ChannelClosedError, ChannelPeerLostError, ChannelTimeoutError, StateError,
+)
 from hisparse_ray.hostpool import HostPool
 from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
 

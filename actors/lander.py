@@ -19,8 +19,11 @@ import ray
 from hisparse_ray.actors.landing import (
     LandingDest, LandingOrder, StagingPool, chunks, page_positions,
 )
-from hisparse_ray.errors import HiSparseError
+from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutError
 from hisparse_ray.types import Admission, LandingTarget
+
+PREFILL_TIMEOUT_S = 600.0  # one prompt through the prefill model
+CALL_TIMEOUT_S = 120.0  # any other Ray call of a landing (beyond its own transfer deadlines)
 
 if TYPE_CHECKING:
     from hisparse_ray.actors.coordinator import Coordinator
@@ -65,9 +68,9 @@ class Lander:
                 continue
             try:
                 nbytes, seconds, data_s, path = self.land(adm, prompt)
-            except (HiSparseError, ray.exceptions.RayError, TimeoutError) as err:
+            except Exception as err:  # any failure ends this request, never the lander
                 self._cleanup(rid)
-                self.coord.landing_failed(rid, _unwrap(err))
+                self.coord.landing_failed(rid, _typed(err, rid))
                 continue
             self.coord.landed(rid, nbytes, seconds, data_s, path)
 
@@ -89,7 +92,8 @@ class Lander:
         rid, P, T = adm.request_id, spec.page_size, adm.num_positions
         todo = [(p.page, p.host_block if adm.target is LandingTarget.HOST else p.device_block)
                 for p in adm.pages if not p.reused and page_positions(p.page, P, T)[1] > 0]
-        result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T])))
+        result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T])),
+                         timeout=PREFILL_TIMEOUT_S)
         t0 = time.perf_counter()
         moved, self._data_s = 0, 0.0
         timeout = spec.landing_timeout_s * spec.landing_attempts
@@ -99,13 +103,15 @@ class Lander:
                           for ep in eps)
             if todo:
                 moved = self._push(rid, dests)
-                ray.get([r.wait_notification.remote(d.notif, timeout) for r, d in zip(ranks, dests)])
+                ray.get([r.wait_notification.remote(d.notif, timeout) for r, d in zip(ranks, dests)],
+                        timeout=timeout + CALL_TIMEOUT_S)
         elif self.path == "direct":
             path = "direct"
             dest = LandingDest(0, eps[0].host_layers, tuple(todo), _notif(rid, 0, 0))
             if todo:
                 moved = self._push(rid, (dest,))
-                ray.get(ranks[0].wait_notification.remote(dest.notif, timeout))
+                ray.get(ranks[0].wait_notification.remote(dest.notif, timeout),
+                        timeout=timeout + CALL_TIMEOUT_S)
         else:
             path = "staged"
             for i, chunk in enumerate(chunks(todo, self.staging.capacity)):
@@ -115,24 +121,30 @@ class Lander:
                                        tuple((page, sb) for (page, _), sb in zip(chunk, blocks)),
                                        _notif(rid, 0, i))
                     moved += self._push(rid, (dest,))
-                    ray.get(ranks[0].wait_notification.remote(dest.notif, timeout))
+                    ray.get(ranks[0].wait_notification.remote(dest.notif, timeout),
+                            timeout=timeout + CALL_TIMEOUT_S)
                     self._data_s += ray.get(ranks[0].unstage.remote(
                         [(sb, hb) for (_, hb), sb in zip(chunk, blocks)], T,
-                        [page for page, _ in chunk]))
+                        [page for page, _ in chunk]), timeout=CALL_TIMEOUT_S)
                 finally:
                     self.staging.release(blocks)
         keys = ray.put(result.index_keys)
         host_written = adm.target is LandingTarget.HOST and path == "direct" and bool(todo)
         capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
-        ray.get([r.install_landing.remote(rid, keys, capacity, host_written) for r in ranks])
-        ray.get(self.prefill.drop.remote(rid))
+        ray.get([r.install_landing.remote(rid, keys, capacity, host_written) for r in ranks],
+                timeout=CALL_TIMEOUT_S)
+        ray.get(self.prefill.drop.remote(rid), timeout=CALL_TIMEOUT_S)
         return moved, time.perf_counter() - t0, self._data_s, path
 
     def _push(self, rid: str, dests: tuple[LandingDest, ...]) -> int:
         spec = self.coord.spec
         order = LandingOrder(rid, dests, attempts=spec.landing_attempts,
                              timeout_s=spec.landing_timeout_s)
-        moved, seconds = ray.get(self.prefill.push.remote(order, spec.page_size))
+        # the worker gives up (and cancels its WRITE) after attempts x timeout; the Ray deadline
+        # is later, so a request's blocks are never released under a live WRITE
+        moved, seconds = ray.get(
+            self.prefill.push.remote(order, spec.page_size),
+            timeout=spec.landing_attempts * spec.landing_timeout_s + CALL_TIMEOUT_S)
         self._data_s += seconds
         return moved
 
@@ -141,12 +153,16 @@ def _notif(rid: str, rank: int, chunk: int) -> bytes:
     return f"land:{rid}:{rank}:{chunk}".encode()
 
 
-def _unwrap(err: BaseException) -> BaseException:
-    """A typed error raised inside another actor reaches us wrapped in RayTaskError; unwrap it."""
+def _typed(err: BaseException, rid: str) -> HiSparseError:
+    """The error a failed landing reports: the typed error raised in another actor (unwrapped
+    from Ray's RayTaskError), ``TransferTimeoutError`` for a Ray call past its deadline,
+    ``TransferError`` for anything else (e.g. a dead prefill worker)."""
     if isinstance(err, ray.exceptions.RayTaskError):
-        cause = err.as_instanceof_cause()
         inner = getattr(err, "cause", None)
         if isinstance(inner, BaseException):
-            return inner
-        return cause
-    return err
+            err = inner
+    if isinstance(err, HiSparseError):
+        return err
+    if isinstance(err, TimeoutError):
+        return TransferTimeoutError(f"landing step timed out: {err}", rid)
+    return TransferError(f"landing failed: {err!r}", rid)

@@ -99,7 +99,8 @@ def bench_landing(rep, tokens: int, repeats: int) -> dict:
         t0 = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
-    out["plain_copy"] = {"bytes": src.numel(), "median_GBps": src.numel() / statistics.median(times) / 1e9}
+    out["plain_copy"] = {"bytes": src.numel(),
+                         "median_GBps": src.numel() / statistics.median(times) / 1e9}
     return out
 
 

@@ -230,7 +230,8 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     _start_ray(args.num_cpus)
     try:
         res = ray.cluster_resources()
-        print(f"local Ray cluster up in {time.perf_counter() - t0:.1f}s: {json.dumps(res, sort_keys=True)}")
+        print(f"local Ray cluster up in {time.perf_counter() - t0:.1f}s: "
+              f"{json.dumps(res, sort_keys=True)}")
         print("config:", cfg.to_json())
         print(f"layout: {layout.bytes_per_token_layer} B/token/layer, {layout.num_layers} layers, "
               f"page {layout.page_size}, host blocks in {cfg.host_pool_gib} GiB: "

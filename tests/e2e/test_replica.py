@@ -190,6 +190,12 @@ def test_failed_transfer_fails_request_and_leaves_no_lease(replica):
     c = ray.get(replica.coordinator.metrics.remote())["counters"]
     assert c["device_blocks_used"] == 0 and c["host_blocks_used"] == 0
     assert ray.get(broken.get_stats.remote())["failed_pushes"] == 2
+    # a dead prefill worker: its landings fail with TransferError too, leases released
+    ray.kill(broken, no_restart=True)
+    dead = _run(replica, [("dead-prefill", _prompt(rng, 100))], 4, STAGED)["dead-prefill"]
+    assert dead["error_type"] == "TransferError" and "landing failed" in dead["error"]
+    c = ray.get(replica.coordinator.metrics.remote())["counters"]
+    assert c["device_blocks_used"] == 0 and c["host_blocks_used"] == 0
     # the replica keeps serving through the healthy peers
     ok = [("after-fail", _prompt(rng, 60))]
     assert _run(replica, ok, 4, DIRECT)["after-fail"]["tokens"] == _reference(ok, 4)["after-fail"]
