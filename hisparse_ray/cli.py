@@ -105,13 +105,14 @@ def run_requests(replica, requests: list[tuple[str, list[int]]], max_new_tokens:
     return ray.get(coord.wait.remote([rid for rid, _ in requests]))
 
 
-def reference_tokens(model_spec, requests: list[tuple[str, list[int]]], max_new_tokens: int
-                     ) -> dict[str, list[int]]:
-    """The same prompts through the in-process engine in full-resident mode (greedy)."""
+def reference_tokens(model_spec, requests: list[tuple[str, list[int]]], max_new_tokens: int,
+                     device: str = "cpu") -> dict[str, list[int]]:
+    """The same prompts through the in-process engine in full-resident mode (greedy), on the
+    device the decode ranks used."""
     from hisparse_ray.actors.reference import full_resident_tokens
 
     return full_resident_tokens(model_spec, [p for _, p in requests], max_new_tokens,
-                                [rid for rid, _ in requests])
+                                [rid for rid, _ in requests], device=device)
 
 
 def print_table(rows: list[dict], metrics: dict) -> None:
@@ -173,7 +174,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"FAILED requests: {[(r['request_id'], r['error']) for r in failed]}")
         return 1
     print("\nexactness check: the same prompts through full-resident decode (in-process engine)")
-    ref = reference_tokens(replica_spec.model, requests, args.max_new_tokens)
+    ref = reference_tokens(replica_spec.model, requests, args.max_new_tokens, replica_spec.device)
     ok = True
     for r in rows:
         same = r["tokens"] == ref[r["request_id"]]
