@@ -38,6 +38,8 @@ class RandomDriver:
     def op_admit(self, prefix: int, extra: int, max_new: int) -> None:
         head = self.prefixes[prefix % len(self.prefixes)]
         prompt = head[: 1 + (extra * 7) % len(head)] + [self.rng.randrange(3) for _ in range(extra)]
+        if len(self.coord._waiting) > 16:
+            return  # a real caller stops accepting work at some queue length too
         rid = f"r{self.next_id}"
         self.next_id += 1
         try:
@@ -76,7 +78,7 @@ class RandomDriver:
             self.coord.apply_report(rep)
 
     def _ids(self, states: tuple[RequestState, ...]) -> list[str]:
-        return [r for r in self.coord.request_ids() if self.coord.view(r).state in states]
+        return [rid for rid, r in self.coord._requests.items() if r.state in states]
 
     def op_finish(self, pick: int) -> None:
         ids = self._ids((RequestState.WAITING, RequestState.RUNNING))
