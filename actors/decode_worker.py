@@ -12,14 +12,16 @@ import threading
 import time
 from typing import Any
 
+import ray
 import torch
 
 from hisparse_ray.actors import tp
-from hisparse_ray.actors.landing import RankEndpoint
+from hisparse_ray.actors.landing import RankEndpoint, page_positions
 from hisparse_ray.actors.spec import ReplicaSpec
 from hisparse_ray.channel import ChannelPair, ChannelSpec
 from hisparse_ray.errors import (
     ChannelClosedError, ChannelPeerLostError, ChannelTimeoutError, StateError,
+    TransferTimeoutError,
 )
 from hisparse_ray.hostpool import HostPool
 from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
@@ -35,6 +37,10 @@ class DecodeWorker:
 
     Threading: the step thread and Ray method calls (landing, stats) share the executor under one
     lock, so a landing is installed between two steps, never inside one.
+
+    NIXL regions: every rank registers its device pool layers (VRAM on GPU, DRAM on CPU): resident
+    landings WRITE all of them (MLA KV is replicated). The shared host pool and the staging pool
+    are registered by rank 0 only: one physical copy serves every rank, and rank 0 is its writer.
     """
 
     def __init__(self, spec: ReplicaSpec, rank: int, engine: TransferEngine | None = None) -> None:
@@ -42,10 +48,14 @@ class DecodeWorker:
             torch.set_num_threads(1)
         self.spec, self.rank = spec, rank
         self._engine = engine
+        self.engine: TransferEngine | None = None  # this rank's NIXL agent, after build()
         self.pool: HostPool | None = None
         self.executor: Any = None  # hisparse_ray.worker.HiSparseWorker, after build()
         self.staging: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self._notif_lock = threading.Lock()
+        self._notifs: set[bytes] = set()
+        self._endpoint: RankEndpoint | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._channel: ChannelPair | None = None
@@ -57,8 +67,6 @@ class DecodeWorker:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def node_info(self) -> dict:
-        import ray
-
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "ip": tp.node_ip()}
@@ -120,8 +128,6 @@ class DecodeWorker:
                                             dtype=torch.uint8, device=self.spec.device)
                                 for _ in range(self.spec.layout.num_layers)]
                 staging = [self.engine.register(f"stage.{l}", t) for l, t in enumerate(self.staging)]
-        import ray
-
         self._endpoint = RankEndpoint(
             self.rank, self.engine.name, self.engine.agent_metadata(),
             ray.get_runtime_context().get_node_id(), tuple(host), tuple(dev), tuple(staging),
@@ -130,7 +136,7 @@ class DecodeWorker:
 
     def endpoint(self) -> RankEndpoint:
         """This rank's endpoint (after ``build``); metadata taken after every region registered."""
-        if getattr(self, "_endpoint", None) is None:
+        if self._endpoint is None:
             raise StateError("endpoint() before build()")
         return self._endpoint
 
@@ -139,35 +145,26 @@ class DecodeWorker:
 
     # -- landing ------------------------------------------------------------------------------------
     def wait_notification(self, notif: bytes, timeout_s: float) -> None:
-        """Block until the landing WRITE tagged ``notif`` was announced to this rank's agent."""
+        """Block until the landing WRITE tagged ``notif`` was announced to this rank's agent
+        (``TransferTimeoutError`` after ``timeout_s``). Notifications that other landings wait for
+        are kept; a duplicate (a retried WRITE) is harmless: tags are unique per request."""
         deadline = time.monotonic() + timeout_s
         while True:
-            seen = self._notifs_seen()
-            if notif in seen:
-                seen.discard(notif)
-                return
+            with self._notif_lock:
+                self._notifs.update(msg for _, msg in self.engine.take_notifications())
+                if notif in self._notifs:
+                    self._notifs.discard(notif)
+                    return
             if time.monotonic() >= deadline:
-                from hisparse_ray.errors import TransferTimeoutError
-
-                raise TransferTimeoutError(f"no landing notification {notif!r} on rank {self.rank} "
-                                           f"after {timeout_s} s")
+                raise TransferTimeoutError(f"no landing notification {notif!r} on rank "
+                                           f"{self.rank} after {timeout_s} s")
             time.sleep(1e-3)
-
-    def _notifs_seen(self) -> set:
-        seen = getattr(self, "_seen", None)
-        if seen is None:
-            seen = self._seen = set()
-        for _, msg in self.engine.take_notifications():
-            seen.add(msg)
-        return seen
 
     def unstage(self, pairs: list[tuple[int, int]], num_positions: int,
                 pages: list[int]) -> float:
         """Rank 0: copy staging blocks into host blocks, ``pairs[i] = (staging block, host
         block)`` for request page ``pages[i]`` (rows clipped to ``num_positions``); returns the
         copy's seconds."""
-        from hisparse_ray.actors.landing import page_positions
-
         P = self.spec.page_size
         t0 = time.perf_counter()
         with self._lock:
