@@ -139,13 +139,27 @@ def start_ranks(spec: ReplicaSpec, pg: PlacementGroup | None, *, build: bool = T
     cls = DecodeWorker
     ranks = [_remote(cls, **decode_worker_options(spec, r, pg)).remote(spec, r)
              for r in range(spec.tp_size)]
-    rdv = ray.get(ranks[0].rendezvous.remote())
-    ray.get([r.join_tp.remote(rdv) for r in ranks])
-    pool_name = ray.get(ranks[0].create_host_pool.remote())
-    ray.get([r.attach_host_pool.remote(pool_name) for r in ranks[1:]])
-    if build:
-        ray.get([r.build.remote() for r in ranks])
+    try:
+        rdv = ray.get(ranks[0].rendezvous.remote())
+        ray.get([r.join_tp.remote(rdv) for r in ranks])
+        pool_name = ray.get(ranks[0].create_host_pool.remote())
+        ray.get([r.attach_host_pool.remote(pool_name) for r in ranks[1:]])
+        if build:
+            ray.get([r.build.remote() for r in ranks])
+    except BaseException:
+        _kill(ranks)
+        raise
     return ranks
+
+
+def _kill(actors: list[Any]) -> None:
+    """Best-effort teardown of half-started actors (shutdown releases pools and segments)."""
+    try:
+        ray.get([a.shutdown.remote() for a in actors], timeout=30)
+    except Exception:
+        pass
+    for a in actors:
+        ray.kill(a, no_restart=True)
 
 
 def launch_replica(spec: ReplicaSpec, resources: dict[str, float] | None = None) -> Replica:
@@ -155,9 +169,14 @@ def launch_replica(spec: ReplicaSpec, resources: dict[str, float] | None = None)
     pg = replica_placement_group(spec, resources)
     try:
         ranks = start_ranks(spec, pg)
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    try:
         coord = _remote(Coordinator, **coordinator_options(spec, pg)).remote(spec, ranks)
         ray.get(coord.start.remote())
     except BaseException:
+        _kill(ranks)
         remove_placement_group(pg)
         raise
     return Replica(spec, pg, coord, ranks)

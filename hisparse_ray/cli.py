@@ -286,8 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hisparse_ray.errors import HiSparseError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except HiSparseError as err:  # bad config, pool too large...: one line, not a traceback
+        cause = getattr(err, "cause", None)  # raised inside an actor: Ray wraps it
+        print(f"hisparse-ray {args.cmd}: {cause if isinstance(cause, HiSparseError) else err}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

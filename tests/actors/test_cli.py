@@ -46,3 +46,10 @@ def test_parser_demo_defaults_and_generate_arguments():
     assert g.prompt == ["hello"] and g.ids == ["1,2,3"] and g.tp == 1 and g.json
     replica, prefill = cli._specs(g, cli.load_config(None))
     assert replica.tp_size == 1 and replica.gpus_per_rank == 0 and prefill.gpus == 0
+
+
+def test_main_reports_a_bad_config_in_one_line(capsys):
+    bad = json.dumps({**cli.DEMO_CONFIG, "top_k": 64})  # top_k > device_buffer_size
+    assert cli.main(["generate", "--config", bad, "--ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hisparse-ray generate: invalid config") and "Traceback" not in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray
@@ -55,3 +56,20 @@ def test_only_rank0_may_pick_the_rendezvous(ranks):
     _, _, handles = ranks
     with pytest.raises(Exception, match="only rank 0"):
         ray.get(handles[1].rendezvous.remote())
+
+
+def test_a_replica_that_cannot_start_leaves_nothing_behind(ray_cluster):
+    from hisparse_ray.config import HiSparseConfig
+    from hisparse_ray.errors import HostPoolError
+
+    huge = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4,
+                          swap_in_block_size=64, host_pool_gib=10_000)
+    spec = ReplicaSpec(hisparse=huge, replica_id="toolarge")
+    before = ray.available_resources().get("CPU")
+    with pytest.raises(HostPoolError, match="exceeds"):
+        launch.launch_replica(spec)
+    assert not [n for n in os.listdir("/dev/shm") if ".toolarge." in n]
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU") != before:  # placement group and actors gone
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
