@@ -23,6 +23,7 @@ from hisparse_ray.errors import (
     ChannelTimeoutError,
     MessageTooLargeError,
 )
+from hisparse_ray.hostsegment import pid_alive as _pid_alive
 from hisparse_ray.transfer.codec import Codec, WireCodec
 
 SHM_DIR = "/dev/shm"
@@ -76,19 +77,7 @@ class WaitPolicy:
 
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host and is not a zombie."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+    return _pid_alive(pid, 0)
 
 
 def cleanup_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
