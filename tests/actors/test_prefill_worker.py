@@ -1,0 +1,83 @@
+"""The plain PrefillWorker class (no Ray) pushing real NIXL WRITEs into a second agent in this
+process: the right rows land in the right blocks, byte for byte, with the notification."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hisparse_ray.actors.landing import LandingDest, LandingOrder
+from hisparse_ray.actors.prefill_worker import PrefillWorker
+from hisparse_ray.actors.spec import PrefillSpec
+from hisparse_ray.errors import CapacityError, StateError, TransferError
+from hisparse_ray.transfer import NixlTransferEngine
+
+pytestmark = [pytest.mark.nixl]
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def peers():
+    pw = PrefillWorker(PrefillSpec(max_prompt_tokens=32, name="plain"))
+    target = NixlTransferEngine("plain-target")
+    layers = [torch.zeros(8 * PAGE, pw.row_bytes, dtype=torch.uint8) for _ in range(pw.num_layers)]
+    regions = tuple(target.register(f"host.{l}", t) for l, t in enumerate(layers))
+    pw.add_peer(target.agent_metadata())
+    target.add_peer(pw.endpoint()[1])
+    yield pw, target, layers, regions
+    pw.shutdown()
+    target.close()
+
+
+def _notifications(engine, want: int, timeout_s: float = 10.0) -> list[bytes]:
+    got: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        got += [m for _, m in engine.take_notifications()]
+        time.sleep(1e-3)
+    return got
+
+
+def test_pushed_pages_hold_the_prefill_rows_in_their_blocks(peers):
+    pw, target, layers, regions = peers
+    tokens = [5, 9, 2, 77, 31, 8, 8, 40, 1, 3]  # 10 positions: pages 0, 1 full, page 2 holds 2
+    res = pw.prefill("a", tokens)
+    assert res.num_positions == 10 and res.index_keys.shape[1] == 10
+    blocks = {0: 6, 1: 1, 2: 3}
+    moved, seconds = pw.push(LandingOrder("a", (LandingDest(0, regions, tuple(blocks.items()),
+                                                            b"land:a"),)), PAGE)
+    assert moved == 10 * pw.row_bytes * pw.num_layers and seconds >= 0
+    assert _notifications(target, 1) == [b"land:a"]
+    _, rows, _ = pw.model.prefill(torch.tensor(tokens))
+    want = rows.contiguous().view(torch.uint8).reshape(pw.num_layers, 10, pw.row_bytes)
+    for l, layer in enumerate(layers):
+        for page, block in blocks.items():
+            n = min(PAGE, 10 - page * PAGE)
+            assert torch.equal(layer[block * PAGE: block * PAGE + n],
+                               want[l, page * PAGE: page * PAGE + n])
+        untouched = [b for b in range(8) if b not in blocks.values()]
+        assert all(not layer[b * PAGE:(b + 1) * PAGE].any() for b in untouched)
+
+
+def test_push_needs_the_held_request_and_a_known_peer(peers):
+    pw, target, _, regions = peers
+    pw.prefill("b", [1, 2, 3])
+    with pytest.raises(StateError, match="not held"):
+        pw.push(LandingOrder("other", (LandingDest(0, regions, ((0, 0),), b"x"),)), PAGE)
+    pw.drop("b")
+    with pytest.raises(StateError):
+        pw.push(LandingOrder("b", (LandingDest(0, regions, ((0, 0),), b"x"),)), PAGE)
+    with pytest.raises(CapacityError):
+        pw.prefill("c", list(range(1, 40)))
+    pw.prefill("d", [4, 4, 4, 4, 4])
+    pw.remove_peer(target.name)
+    try:
+        with pytest.raises(TransferError, match="after 2 attempt"):
+            pw.push(LandingOrder("d", (LandingDest(0, regions, ((0, 2),), b"y"),), attempts=2,
+                                 timeout_s=2.0), PAGE)
+        assert pw.get_stats()["failed_pushes"] == 1
+    finally:
+        pw.add_peer(target.agent_metadata())
