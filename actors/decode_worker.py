@@ -221,7 +221,8 @@ class DecodeWorker:
                         # TP peers read host rows rank 0 wrote this step (newest-row backups,
                         # spills) in their next forward without waiting on rank 0's copy events:
                         # finish those copies before the report lets the coordinator go on.
-                        for _, handle in self.executor._pending:
+                        # (HiSparseWorker has no public call for this yet: its pending copies)
+                        for _, handle in getattr(self.executor, "_pending", ()):
                             handle.wait()
                 dt = time.perf_counter() - t0
                 self.step_s += dt
