@@ -112,7 +112,8 @@ class DecodeWorker:
             model.shard_heads(self.rank, spec.tp_size)  # all-reduce over the default (TP) group
         self.executor = HiSparseWorker(
             model, spec.hisparse, spec.layout, spec.num_device_blocks, self.pool, rank=self.rank,
-            device=spec.device, max_requests=max(spec.num_device_blocks, spec.max_batch) + 1)
+            device=spec.device, max_requests=max(spec.num_device_blocks, spec.max_batch) + 1,
+            sync_host_writes=self._sync_host_writes)
         self.engine = self._engine or NixlTransferEngine(
             f"decode-{spec.replica_id}-r{self.rank}-{os.getpid()}")
         dev = [self.engine.register(f"dev.{l}", t)
@@ -216,14 +217,9 @@ class DecodeWorker:
                     continue
                 t0 = time.perf_counter()
                 with self._lock:
+                    # with _sync_host_writes (rank 0, CUDA, TP > 1) execute finishes its host
+                    # writes before it returns: peers read them in their next forward
                     report = self.executor.execute(cmd)
-                    if self._sync_host_writes:
-                        # TP peers read host rows rank 0 wrote this step (newest-row backups,
-                        # spills) in their next forward without waiting on rank 0's copy events:
-                        # finish those copies before the report lets the coordinator go on.
-                        # (HiSparseWorker has no public call for this yet: its pending copies)
-                        for _, handle in getattr(self.executor, "_pending", ()):
-                            handle.wait()
                 dt = time.perf_counter() - t0
                 self.step_s += dt
                 self.steps += 1
