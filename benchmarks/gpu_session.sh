@@ -2,6 +2,7 @@
 # One GPU session on the H200 (device tool): every `gpu` test and every benchmark, logs under $OUT.
 # Call 1 (carry .device-wheels/ray):   bash benchmarks/gpu_session.sh ray
 # Call 2 (carry .device-wheels/nixl):  bash benchmarks/gpu_session.sh run [pytest paths...]
+#   or, for the actor system only:     bash benchmarks/gpu_session.sh actors [pytest paths...]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -11,7 +12,8 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run)
+  run|actors)
+    mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/nixl/*.whl
@@ -23,6 +25,11 @@ case "${1:-run}" in
     paths=("$@")
     [ ${#paths[@]} -gt 0 ] || paths=(tests)
     timeout 330 python3 -m pytest -q -m gpu -s -p no:cacheprovider "${paths[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    if [ "$mode" = actors ]; then
+      timeout 200 python3 benchmarks/bench_control_plane.py --probes 1000 --out "$OUT/control_plane.json" 2>&1 \
+        | grep -v -E "NIXL INFO|WARNING|INFO worker" | tail -40 | tee "$OUT/control_plane.log"
+      exit 0
+    fi
     for b in "bench_decode.py --out $OUT/decode.json" "bench_copies.py" \
              "bench_landing.py --src cuda --dst cpu" "bench_landing.py --src cuda --dst cuda" \
              "bench_channel.py"; do
