@@ -62,9 +62,7 @@ class ReplicaSpec:
     """
 
     model: ModelSpec = field(default_factory=ModelSpec)
-    hisparse: HiSparseConfig = field(default_factory=lambda: HiSparseConfig(
-        top_k=8, device_buffer_size=16, host_to_device_ratio=4, swap_in_block_size=64,
-        host_pool_gib=0.01))
+    hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
     page_size: int = 8
     num_device_blocks: int = 64
     staging_blocks: int = 16

@@ -79,6 +79,13 @@ class HiSparseConfig:
             raise ConfigError("host_pool_gib", g, "must be a finite number > 0 (GiB per replica)")
 
     @classmethod
+    def tiny(cls) -> "HiSparseConfig":
+        """The embedded default for the tiny built-in model: top-k 8 of a 16-slot hot buffer and
+        10 MiB of host cache, so that test prompts of a few hundred tokens are many times H."""
+        return cls(top_k=8, device_buffer_size=16, host_to_device_ratio=4, swap_in_block_size=64,
+                   host_pool_gib=0.01)
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "HiSparseConfig":
         if not isinstance(data, dict):
             raise ConfigError("hisparse-config", data, "must be a JSON object")

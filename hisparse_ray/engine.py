@@ -37,9 +37,7 @@ class EngineConfig:
     full_resident: every request lands on resident device pages (the exactness baseline).
     """
 
-    hisparse: HiSparseConfig = field(default_factory=lambda: HiSparseConfig(
-        top_k=8, device_buffer_size=16, host_to_device_ratio=4, swap_in_block_size=64,
-        host_pool_gib=0.01))
+    hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
     page_size: int = 8
     num_device_blocks: int = 8
     max_batch: int = 16
