@@ -20,7 +20,7 @@ import torch
 from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.core.config import CoordinatorConfig
 from hisparse_ray.core.coordinator import Coordinator
-from hisparse_ray.errors import ConfigError, DuplicateRequestError, StateError
+from hisparse_ray.errors import ConfigError, DuplicateRequestError, InvalidRequestError, StateError
 from hisparse_ray.hostpool import HostPool
 from hisparse_ray.types import RequestId, RequestState
 from hisparse_ray.worker import HiSparseWorker, SamplingParams
@@ -110,6 +110,10 @@ class Engine:
         if rid in self._known:
             raise DuplicateRequestError(rid)
         p = _Pending(list(prompt), max_new_tokens, eos_token_id)
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in p.prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(rid, f"token {bad[0]!r} is not an id in [0, {vocab}) of this model")
         adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id)  # validates first
         self._known[rid] = p
         self.worker.set_sampling(rid, sampling or SamplingParams())

@@ -120,4 +120,6 @@ def test_engine_rejects_bad_input(models):
             eng.add_request("x", [1, 2, 3], 2)
         with pytest.raises(InvalidRequestError, match="max_new_tokens"):
             eng.add_request("y", [1], 0)
+        with pytest.raises(InvalidRequestError, match=r"token 96 is not an id in \[0, 96\)"):
+            eng.add_request("z", [1, 96], 2)
         assert eng.run()["x"] and len(eng.run()["x"]) == 2
