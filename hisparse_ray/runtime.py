@@ -223,11 +223,6 @@ class HiSparseRuntime:
         self._anchor_rows[layer], self._anchor_plan[layer] = rows, plan
         return rows
 
-    @property
-    def last_plans(self) -> dict[int, Tensor]:
-        """This step's miss plans ``[B, K, 2]`` by anchor layer (read for metrics only)."""
-        return dict(self._anchor_plan)
-
     def hot_counts(self) -> tuple[list[int], list[int]]:
         """Per batch row, this step's hot-buffer (hits, misses) summed over anchor layers: positions
         served by a hot slot that already held them, and positions copied in from host. Reads back
@@ -269,7 +264,6 @@ class HiSparseCacheHandle:
             raise StateError(
                 f"row_dim {row_dim} x {itemsize} B != layout row bytes {runtime.layout.bytes_per_token_layer}")
         self.runtime, self.row_dim, self.dtype = runtime, row_dim, dtype
-        self.hits = 0
 
     def write_newest(self, layer: int, kv: Tensor) -> None:
         rows = self.runtime._step.write_rows  # type: ignore[union-attr]
