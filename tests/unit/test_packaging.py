@@ -23,6 +23,23 @@ def test_wheel_layout(tmp_path):
     assert any(n.startswith("hisparse_ray/kernels/") for n in names)
     assert not any(n.startswith(("actors/", "kernels/")) for n in names), names
     assert "hisparse_ray/kernels/csrc/__init__.py" in names
+    assert any(n.startswith("hisparse_ray/kernels/csrc/") and n.endswith(".cu") for n in names)
+
+    # A normal (non-editable) install of that wheel imports both from another directory.
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--target", str(target), str(wheel)], check=True)
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import hisparse_ray.actors as a, hisparse_ray.kernels as k, importlib.resources as r;"
+         "print(a.__file__); print(k.__file__);"
+         "print(any(f.name.endswith('.cu') for f in r.files('hisparse_ray.kernels.csrc').iterdir()))"],
+        cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, check=True,
+    )
+    actors_file, kernels_file, has_cu = out.stdout.split()
+    assert actors_file.startswith(str(target)) and kernels_file.startswith(str(target))
+    assert has_cu == "True"
 
 
 def test_subpackages_import_from_any_directory(tmp_path):
