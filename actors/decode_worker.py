@@ -16,7 +16,7 @@ import ray
 import torch
 
 from hisparse_ray.actors import tp
-from hisparse_ray.actors.landing import RankEndpoint, page_positions
+from hisparse_ray.actors.landing import RankEndpoint, copy_runs, page_positions, unstage_runs
 from hisparse_ray.actors.spec import ReplicaSpec
 from hisparse_ray.channel import ChannelPair, ChannelSpec
 from hisparse_ray.errors import (
@@ -180,6 +180,38 @@ class DecodeWorker:
             finally:
                 self.pool.publish()
         return time.perf_counter() - t0
+
+    def unstage_run(self, first_staging_block: int, host_blocks: list[int], pages: list[int],
+                    num_positions: int) -> float:
+        """Rank 0: copy a chunk landed in the contiguous staging run starting at
+        ``first_staging_block`` (page ``pages[i]`` in staging block ``first_staging_block + i``)
+        into ``host_blocks[i]``, one copy (or one gather/scatter) per layer; returns its seconds."""
+        runs = unstage_runs(first_staging_block, host_blocks, pages, self.spec.page_size,
+                            num_positions)
+        t0 = time.perf_counter()
+        with self._lock:
+            self.pool.begin_write()
+            try:
+                copy_runs(self.staging, [self.pool.layer(l) for l in range(len(self.staging))],
+                          runs)
+            finally:
+                self.pool.publish()
+        return time.perf_counter() - t0
+
+    def complete_landing(self, notif: bytes | None, timeout_s: float,
+                         unstage: tuple | None = None, request_id: str | None = None,
+                         index_keys: Any = None, capacity: int = 0,
+                         host_written: bool = False) -> float:
+        """The decode side of one landing step in ONE Ray call: wait for ``notif`` (None: no
+        wait), then ``unstage_run(*unstage)`` (None: nothing staged), then, with a
+        ``request_id``, ``install_landing(request_id, index_keys, capacity, host_written)``.
+        Returns the unstage copy's seconds (0.0 without one)."""
+        if notif is not None:
+            self.wait_notification(notif, timeout_s)
+        seconds = self.unstage_run(*unstage) if unstage is not None else 0.0
+        if request_id is not None:
+            self.install_landing(request_id, index_keys, capacity, host_written)
+        return seconds
 
     def install_landing(self, request_id: str, index_keys: Any, capacity: int,
                         host_written: bool) -> None:

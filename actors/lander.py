@@ -2,6 +2,11 @@
 admitted requests in FIFO order through prefill -> NIXL WRITE (direct or via the staging pool) ->
 notification on the decode ranks -> index keys installed -> ``apply_landed``.
 
+Ray round trips per landing after prefill: one ``push`` per step (the last one also frees the
+prefill worker's send buffer) and one ``complete_landing`` per rank per step (notification wait,
+staging -> host copy, key install in one call): 2 sequential round trips for a direct or resident
+landing, 2 per staging chunk for a staged one (was 4, and 3 per chunk + 2).
+
 Any failure (``TransferError`` / ``TransferTimeoutError`` after the prefill worker's retries, a
 missing notification, a dead prefill worker) ends the request with that typed error and releases
 every lease it held (the coordinator calls the core's ``apply_landing_failed``).
@@ -32,8 +37,8 @@ if TYPE_CHECKING:
 class Lander:
     """Lands one request at a time for one prefill worker.
 
-    path: "direct" (WRITE into rank 0's host pool) or "staged" (WRITE into rank 0's staging pool in
-    chunks of at most its capacity, then a local copy into host blocks). Resident landings always
+    path: "direct" (WRITE into rank 0's host pool) or "staged" (WRITE into a contiguous run of rank
+    0's staging pool in chunks of at most its capacity, then a local copy into host blocks). Resident landings always
     WRITE every rank's device pool.
     """
 
@@ -97,53 +102,77 @@ class Lander:
         t0 = time.perf_counter()
         moved, self._data_s = 0, 0.0
         timeout = spec.landing_timeout_s * spec.landing_attempts
-        path = "resident"
+        keys = ray.put(result.index_keys)
+        install = dict(request_id=rid, index_keys=keys,
+                       capacity=len(prompt) + self.coord.records[rid].max_new_tokens + 1)
+        # per step: one push call (the prefill worker WRITEs, waits for DONE; the last push also
+        # frees its send buffer), then ONE call per rank that waits for the notification,
+        # unstages and (last step) installs the keys
         if adm.target is LandingTarget.RESIDENT:
+            path = "resident"
             dests = tuple(LandingDest(ep.rank, ep.device_layers, tuple(todo), _notif(rid, ep.rank, 0))
                           for ep in eps)
             if todo:
-                moved = self._push(rid, dests)
-                ray.get([r.wait_notification.remote(d.notif, timeout) for r, d in zip(ranks, dests)],
-                        timeout=timeout + CALL_TIMEOUT_S)
+                moved = self._push(rid, dests, last=True)
+            self._complete([r.complete_landing.remote(d.notif if todo else None, timeout,
+                                                      host_written=False, **install)
+                            for r, d in zip(ranks, dests)], timeout)
         elif self.path == "direct":
             path = "direct"
             dest = LandingDest(0, eps[0].host_layers, tuple(todo), _notif(rid, 0, 0))
             if todo:
-                moved = self._push(rid, (dest,))
-                ray.get(ranks[0].wait_notification.remote(dest.notif, timeout),
-                        timeout=timeout + CALL_TIMEOUT_S)
+                moved = self._push(rid, (dest,), last=True)
+            self._complete(
+                [ranks[0].complete_landing.remote(dest.notif if todo else None, timeout,
+                                                  host_written=bool(todo), **install)]
+                + [r.complete_landing.remote(None, timeout, host_written=False, **install)
+                   for r in ranks[1:]], timeout)
         else:
             path = "staged"
-            for i, chunk in enumerate(chunks(todo, self.staging.capacity)):
-                blocks = self.staging.acquire(len(chunk))
+            parts = chunks(todo, self.staging.capacity)
+            for i, chunk in enumerate(parts):
+                last = i == len(parts) - 1
+                blocks = self.staging.acquire_run(len(chunk))  # contiguous: 1 descriptor / layer
                 try:
                     dest = LandingDest(0, eps[0].staging_layers,
                                        tuple((page, sb) for (page, _), sb in zip(chunk, blocks)),
                                        _notif(rid, 0, i))
-                    moved += self._push(rid, (dest,))
-                    ray.get(ranks[0].wait_notification.remote(dest.notif, timeout),
-                            timeout=timeout + CALL_TIMEOUT_S)
-                    self._data_s += ray.get(ranks[0].unstage.remote(
-                        [(sb, hb) for (_, hb), sb in zip(chunk, blocks)], T,
-                        [page for page, _ in chunk]), timeout=CALL_TIMEOUT_S)
+                    moved += self._push(rid, (dest,), last=last)
+                    unstage = (blocks[0], [hb for _, hb in chunk], [page for page, _ in chunk], T)
+                    refs = [ranks[0].complete_landing.remote(
+                        dest.notif, timeout, unstage, host_written=False,
+                        **(install if last else {}))]
+                    if last:
+                        refs += [r.complete_landing.remote(None, timeout, host_written=False,
+                                                           **install) for r in ranks[1:]]
+                    self._complete(refs, timeout)
                 finally:
                     self.staging.release(blocks)
-        keys = ray.put(result.index_keys)
-        host_written = adm.target is LandingTarget.HOST and path == "direct" and bool(todo)
-        capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
-        ray.get([r.install_landing.remote(rid, keys, capacity, host_written) for r in ranks],
-                timeout=CALL_TIMEOUT_S)
-        ray.get(self.prefill.drop.remote(rid), timeout=CALL_TIMEOUT_S)
+            if not parts:
+                self._complete([r.complete_landing.remote(None, timeout, host_written=False,
+                                                          **install) for r in ranks], timeout)
+        if not todo:  # nothing pushed, so no push freed the send buffer: no need to wait
+            self.prefill.drop.remote(rid)
         return moved, time.perf_counter() - t0, self._data_s, path
 
-    def _push(self, rid: str, dests: tuple[LandingDest, ...]) -> int:
+    def _complete(self, refs: list, timeout: float) -> None:
+        """Wait for ranks' ``complete_landing`` calls; their unstage seconds count as data path.
+        On a failure, first let the other calls finish (bounded): an index-key install must not
+        land on a rank after the failure cleanup dropped the request there."""
+        try:
+            self._data_s += sum(ray.get(refs, timeout=timeout + CALL_TIMEOUT_S))
+        except Exception:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout + CALL_TIMEOUT_S)
+            raise
+
+    def _push(self, rid: str, dests: tuple[LandingDest, ...], *, last: bool) -> int:
         spec = self.coord.spec
         order = LandingOrder(rid, dests, attempts=spec.landing_attempts,
                              timeout_s=spec.landing_timeout_s)
         # the worker gives up (and cancels its WRITE) after attempts x timeout; the Ray deadline
         # is later, so a request's blocks are never released under a live WRITE
         moved, seconds = ray.get(
-            self.prefill.push.remote(order, spec.page_size),
+            self.prefill.push.remote(order, spec.page_size, drop_after=last),
             timeout=spec.landing_attempts * spec.landing_timeout_s + CALL_TIMEOUT_S)
         self._data_s += seconds
         return moved

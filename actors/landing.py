@@ -9,6 +9,12 @@ Path per peer, picked from what the transport offers (``TransferEngine.supports_
   0 copies staging blocks into host blocks locally (55 GB/s D2H vs ~0.5 GB/s TCP-emulated UCX).
   The staging pool is bounded and FIFO; a request larger than it lands in chunks, holding staging
   space only while its chunk is in flight, so a full pool delays landings but never deadlocks them.
+  A chunk takes a CONTIGUOUS run of staging blocks (``acquire_run``), so it is one WRITE
+  descriptor per layer and one local copy (or one gather/scatter) per layer into host blocks.
+
+Descriptor count: ``write_segments`` merges consecutive pages into consecutive blocks into one
+segment per layer (``page_runs``); the direct path gets one descriptor per layer and host-block
+run. Per-descriptor and per-call costs, not bandwidth, bound small-page landings.
 
 A resident landing WRITEs into every rank's device pool (MLA KV is replicated over TP ranks).
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from hisparse_ray.errors import StateError
 from hisparse_ray.transfer import RegionDesc, WriteSegment
@@ -86,18 +92,87 @@ def write_segments(dest: LandingDest, local: str, local_layer_stride: int, row_b
                    page_size: int, num_positions: int) -> list[WriteSegment]:
     """Segments moving ``dest``'s pages from a local send buffer laid out ``[L, max_T, row_bytes]``
     (``local_layer_stride`` bytes per layer) into ``dest``'s per-layer regions (row ``block *
-    page_size + offset``). Pages without positions are skipped."""
-    segs: list[WriteSegment] = []
-    for layer, region in enumerate(dest.layers):
-        for page, block in dest.pages:
-            lo, n = page_positions(page, page_size, num_positions)
-            if n == 0:
-                continue
-            segs.append(WriteSegment(
-                local=local, local_offset=layer * local_layer_stride + lo * row_bytes,
-                nbytes=n * row_bytes, remote=region,
-                remote_offset=block * page_size * row_bytes))
-    return segs
+    page_size + offset``). Pages without positions are skipped. Consecutive pages landing in
+    consecutive blocks become one segment (per layer), so a chunk of pages into a contiguous
+    block run is one descriptor per layer."""
+    runs = page_runs(dest.pages, page_size, num_positions)
+    return [WriteSegment(local=local, local_offset=layer * local_layer_stride + lo * row_bytes,
+                         nbytes=n * row_bytes, remote=region, remote_offset=row * row_bytes)
+            for layer, region in enumerate(dest.layers) for lo, row, n in runs]
+
+
+def page_runs(pages: Sequence[tuple[int, int]], page_size: int, num_positions: int
+              ) -> list[tuple[int, int, int]]:
+    """``(first position, first block row, rows)`` runs of ``pages`` = (page, block) pairs, in
+    the given order, clipped to ``num_positions`` (pages without positions skipped): a run
+    continues while the page and the block both advance by one and the previous page was full.
+    Row r of a run is position ``first position + r`` and block row ``first block row + r``."""
+    runs: list[list[int]] = []
+    prev: tuple[int, int, int] | None = None  # (page, block, rows) of the last page kept
+    for page, block in pages:
+        lo, n = page_positions(page, page_size, num_positions)
+        if n == 0:
+            continue
+        if (prev is not None and page == prev[0] + 1 and block == prev[1] + 1
+                and prev[2] == page_size):
+            runs[-1][2] += n
+        else:
+            runs.append([lo, block * page_size, n])
+        prev = (page, block, n)
+    return [(lo, row, n) for lo, row, n in runs]
+
+
+def unstage_runs(first_staging_block: int, host_blocks: Sequence[int], pages: Sequence[int],
+                 page_size: int, num_positions: int) -> list[tuple[int, int, int]]:
+    """``(staging row, host row, rows)`` copies that move a chunk landed in the contiguous
+    staging run starting at ``first_staging_block`` (page ``pages[i]`` in staging block
+    ``first_staging_block + i``) into host blocks ``host_blocks[i]``, rows clipped to
+    ``num_positions``; consecutive host blocks of consecutive full pages merge into one copy."""
+    if len(host_blocks) != len(pages):
+        raise ValueError(f"{len(host_blocks)} host blocks for {len(pages)} pages")
+    out: list[list[int]] = []
+    prev: tuple[int, int, int] | None = None  # (page, host block, rows) of the last page kept
+    for i, (hb, page) in enumerate(zip(host_blocks, pages)):
+        _, n = page_positions(page, page_size, num_positions)
+        if n == 0:
+            continue
+        src = (first_staging_block + i) * page_size
+        if (prev is not None and hb == prev[1] + 1 and prev[2] == page_size
+                and src == out[-1][0] + out[-1][2]):
+            out[-1][2] += n
+        else:
+            out.append([src, hb * page_size, n])
+        prev = (page, hb, n)
+    return [(s, d, n) for s, d, n in out]
+
+
+def copy_runs(src_layers: Sequence[Any], dst_layers: Sequence[Any],
+              runs: Sequence[tuple[int, int, int]], *, max_memcpys: int = 4) -> None:
+    """``dst_layers[l][d:d + n] = src_layers[l][s:s + n]`` for every run and layer (torch 2-D
+    ``[rows, row_bytes]`` tensors; sources may sit on a GPU, destinations on the host). Up to
+    ``max_memcpys`` runs: one copy per run and layer. More: per layer one copy of the spanned
+    source rows to the destination device and one ``index_copy_`` scatter. Synchronous."""
+    import torch
+
+    if not runs:
+        return
+    if len(runs) <= max_memcpys:
+        for src, dst in zip(src_layers, dst_layers):
+            for s, d, n in runs:
+                dst[d:d + n].copy_(src[s:s + n])
+    else:
+        lo = min(s for s, _, _ in runs)
+        hi = max(s + n for s, _, n in runs)
+        s_idx = torch.cat([torch.arange(s - lo, s - lo + n) for s, _, n in runs])
+        d_idx = torch.cat([torch.arange(d, d + n) for _, d, n in runs])
+        dense = s_idx.numel() == hi - lo and bool((s_idx == torch.arange(hi - lo)).all())
+        for src, dst in zip(src_layers, dst_layers):
+            span = src[lo:hi]
+            if span.device != dst.device:
+                span = span.to(dst.device)
+            dst.index_copy_(0, d_idx, span if dense else span.index_select(0, s_idx))
+    if src_layers and getattr(src_layers[0], "is_cuda", False):
+        torch.cuda.synchronize()
 
 
 def chunks(items: Sequence, size: int) -> list[tuple]:
@@ -113,7 +188,8 @@ class StagingPool:
     ``acquire(n)`` blocks until ``n`` blocks are free AND every earlier waiter was served (FIFO: a
     large request is not starved by small ones); ``release`` returns blocks. Invariant: free +
     leased == capacity, no block both free and leased. ``n`` above the capacity is refused (the
-    caller lands in chunks of at most ``capacity``).
+    caller lands in chunks of at most ``capacity``). ``acquire_run(n)`` is the same with ``n``
+    contiguous blocks (first fit), what the lander uses.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -140,6 +216,47 @@ class StagingPool:
             finally:
                 self._queue.remove(ticket)
                 self._cond.notify_all()
+
+    def acquire_run(self, n: int, timeout: float | None = None) -> tuple[int, ...]:
+        """``n`` CONTIGUOUS blocks ``(b, b + 1, ..., b + n - 1)``, first fit (lowest ``b``).
+
+        Same FIFO queue as ``acquire``: blocks until the request is at the head and a free run of
+        ``n`` exists. Never deadlocks: every lease is released independently of waiters, and
+        with nothing leased the whole pool is one run of ``capacity >= n`` blocks. A chunk in
+        one run is one NIXL descriptor per layer and one local copy per layer."""
+        if not 1 <= n <= self.capacity:
+            raise StateError(f"staging request of {n} blocks; pool holds {self.capacity}")
+        ticket = object()
+        with self._cond:
+            self._queue.append(ticket)
+            try:
+                ok = self._cond.wait_for(
+                    lambda: self._queue[0] is ticket and self._first_fit(n) is not None, timeout)
+                if not ok:
+                    raise TimeoutError(f"no run of {n} staging blocks within {timeout} s")
+                start = self._first_fit(n)
+                got = tuple(range(start, start + n))
+                taken = set(got)
+                self._free = collections.deque(b for b in self._free if b not in taken)
+                self._leased.update(got)
+                return got
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+
+    def _first_fit(self, n: int) -> int | None:
+        """Lowest start of a run of ``n`` free blocks (caller holds the lock)."""
+        if len(self._free) < n:
+            return None
+        start, length = -2, 0
+        for b in sorted(self._free):
+            if b == start + length:
+                length += 1
+            else:
+                start, length = b, 1
+            if length == n:
+                return start
+        return None
 
     def release(self, blocks: Sequence[int]) -> None:
         with self._cond:

@@ -97,9 +97,13 @@ class PrefillWorker:
         self.stats["prefill_s"] += dt
         return PrefillResult(request_id, T, keys, dt)
 
-    def push(self, order: LandingOrder, page_size: int) -> tuple[int, float]:
+    def push(self, order: LandingOrder, page_size: int, drop_after: bool = False
+             ) -> tuple[int, float]:
         """WRITE ``order``'s pages of the held request (one WRITE + notification per dest, with
-        retries); returns (bytes moved, seconds from the first post to the last DONE).
+        retries; consecutive pages into consecutive blocks are one descriptor per layer);
+        returns (bytes moved, seconds from the first post to the last DONE). ``drop_after``:
+        free the send buffer once every WRITE is DONE (the request's last push; saves the
+        lander a ``drop`` call).
         TransferError / TransferTimeoutError after the last attempt, tagged with the request id."""
         with self._lock:
             if self._held is None or self._held[0] != order.request_id:
@@ -124,6 +128,8 @@ class PrefillWorker:
             self.stats["pushes"] += 1
             self.stats["pushed_bytes"] += moved
             self.stats["push_s"] += dt
+            if drop_after:
+                self._held = None
             return moved, dt
 
     def drop(self, request_id: str) -> None:

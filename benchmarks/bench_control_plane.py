@@ -9,13 +9,15 @@ prefill -> decode landing GB/s, each against its baseline measured in the same r
    the host pool) for the direct and the staged path, against a plain ``torch`` copy of the same
    bytes in this process; also with the Ray orchestration calls (notification wait, key install).
 
-Usage: ``python benchmarks/bench_control_plane.py [--probes 2000] [--tokens 2048]``. Prints a table
-and writes ``benchmarks/results/control_plane.json``.
+Usage: ``python benchmarks/bench_control_plane.py [--probes 2000] [--tokens 2048 8192]
+[--page-size 8] [--staging-blocks 256]``. Prints a table per prompt length and writes
+``benchmarks/results/control_plane.json`` (``landing`` keyed by prompt length).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -76,13 +78,16 @@ def bench_control_plane(rep, probes: int) -> dict:
 
 
 def bench_landing(rep, tokens: int, repeats: int) -> dict:
+    """Median host-landing GB/s per path for prompts of ``tokens`` tokens: data path alone (NIXL
+    WRITEs to DONE + the staging -> host copy) and end to end after prefill (with every Ray call
+    of the landing), against a plain in-process ``copy_`` of the same bytes in the same run."""
     coord = rep.coordinator
     rng = random.Random(1)
     out = {}
     for path, index in (("direct", 0), ("staged", 1)):
         gbps, data_gbps, nbytes = [], [], 0
         for i in range(repeats):
-            rid = f"land-{path}-{i}"
+            rid = f"land-{path}-{tokens}-{i}"
             ray.get(coord.submit.remote(rid, [rng.randrange(1, 96) for _ in range(tokens)], 1,
                                         None, index))
             (row,) = ray.get(coord.wait.remote([rid], 600))
@@ -107,7 +112,11 @@ def bench_landing(rep, tokens: int, repeats: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--probes", type=int, default=2000)
-    ap.add_argument("--tokens", type=int, default=2048, help="prompt length of landing runs")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048],
+                    help="prompt lengths of landing runs (one table row set per length)")
+    ap.add_argument("--page-size", type=int, default=8, help="replica page size (rows per block)")
+    ap.add_argument("--staging-blocks", type=int, default=256,
+                    help="decode-side staging pool blocks (a prompt above it lands in chunks)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", choices=["control", "landing"], help="run one part")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
@@ -119,9 +128,14 @@ def main() -> int:
         # on a GPU the prefill workers sit on the GPU too: "direct" is then GPU -> another
         # process's pinned host over UCX, "staged" GPU -> the rank's GPU staging pool + local D2H
         model = ModelSpec(dtype="bfloat16" if gpu else "float32")
-        spec = ReplicaSpec(model=model, tp_size=2, num_device_blocks=32, staging_blocks=64,
+        max_tokens = max(args.tokens)
+        kv_bytes = max_tokens * model.kv_layout(args.page_size).bytes_per_token
+        hisparse = dataclasses.replace(ReplicaSpec().hisparse,
+                                       host_pool_gib=max(0.01, 3 * kv_bytes / 2**30))
+        spec = ReplicaSpec(model=model, hisparse=hisparse, tp_size=2, num_device_blocks=32,
+                           staging_blocks=args.staging_blocks, page_size=args.page_size,
                            gpus_per_rank=0.4 if gpu else 0.0, replica_id="bench")
-        pspecs = [PrefillSpec(model=model, max_prompt_tokens=max(args.tokens, 256),
+        pspecs = [PrefillSpec(model=model, max_prompt_tokens=max(max_tokens, 256),
                               gpus=0.1 if gpu else 0.0, name=name) for name in ("direct", "staged")]
         workers = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
                    for p in pspecs]
@@ -131,7 +145,8 @@ def main() -> int:
             launch.connect(rep, w, mode)
         try:
             cp = bench_control_plane(rep, args.probes) if args.only != "landing" else {}
-            land = bench_landing(rep, args.tokens, args.repeats) if args.only != "control" else {}
+            land = {str(t): bench_landing(rep, t, args.repeats) for t in args.tokens} \
+                if args.only != "control" else {}
         finally:
             rep.shutdown()
     finally:
@@ -139,11 +154,12 @@ def main() -> int:
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.node()} {os.cpu_count()} cores, "
                          f"{'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU only'}",
+              "page_size": args.page_size, "staging_blocks": args.staging_blocks,
               "control_plane": cp, "landing": land}
     if cp:
         _print_control(cp, result["machine"])
-    if land:
-        _print_landing(land, args.tokens)
+    for t, per_path in land.items():
+        _print_landing(per_path, int(t), args.page_size, args.staging_blocks)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
@@ -159,8 +175,8 @@ def _print_control(cp: dict, machine: str) -> None:
     print(f"Ray fan-out to both ranks / shm step round trip: {ratio:.1f}x")
 
 
-def _print_landing(land: dict, tokens: int) -> None:
-    print(f"\nlanding ({tokens} prompt tokens):")
+def _print_landing(land: dict, tokens: int, page_size: int, staging_blocks: int) -> None:
+    print(f"\nlanding ({tokens} prompt tokens, page {page_size}, {staging_blocks} staging blocks):")
     print(f"{'path':<12} {'bytes':>10} {'GB/s':>8} {'vs plain copy':>14} {'+Ray calls GB/s':>16}")
     for k, v in land.items():
         print(f"{k:<12} {v['bytes']:>10} {v['median_GBps']:>8.3f} "
