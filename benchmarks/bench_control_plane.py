@@ -132,7 +132,9 @@ def main() -> int:
         kv_bytes = max_tokens * model.kv_layout(args.page_size).bytes_per_token
         hisparse = dataclasses.replace(ReplicaSpec().hisparse,
                                        host_pool_gib=max(0.01, 3 * kv_bytes / 2**30))
-        spec = ReplicaSpec(model=model, hisparse=hisparse, tp_size=2, num_device_blocks=32,
+        # 256 device rows whatever the page size: the landing prompts go to the host tier
+        spec = ReplicaSpec(model=model, hisparse=hisparse, tp_size=2,
+                           num_device_blocks=max(4, 256 // args.page_size),
                            staging_blocks=args.staging_blocks, page_size=args.page_size,
                            gpus_per_rank=0.4 if gpu else 0.0, replica_id="bench")
         pspecs = [PrefillSpec(model=model, max_prompt_tokens=max(max_tokens, 256),
