@@ -200,22 +200,11 @@ class StagingPool:
         self._queue: collections.deque[object] = collections.deque()
 
     def acquire(self, n: int, timeout: float | None = None) -> tuple[int, ...]:
-        if not 1 <= n <= self.capacity:
-            raise StateError(f"staging request of {n} blocks; pool holds {self.capacity}")
-        ticket = object()
-        with self._cond:
-            self._queue.append(ticket)
-            try:
-                ok = self._cond.wait_for(
-                    lambda: self._queue[0] is ticket and len(self._free) >= n, timeout)
-                if not ok:
-                    raise TimeoutError(f"no {n} staging blocks within {timeout} s")
-                got = tuple(self._free.popleft() for _ in range(n))
-                self._leased.update(got)
-                return got
-            finally:
-                self._queue.remove(ticket)
-                self._cond.notify_all()
+        """Any ``n`` free blocks, in FIFO turn with every other waiter."""
+        def pick() -> tuple[int, ...] | None:
+            return tuple(list(self._free)[:n]) if len(self._free) >= n else None
+
+        return self._take(n, timeout, pick, f"no {n} staging blocks")
 
     def acquire_run(self, n: int, timeout: float | None = None) -> tuple[int, ...]:
         """``n`` CONTIGUOUS blocks ``(b, b + 1, ..., b + n - 1)``, first fit (lowest ``b``).
@@ -224,6 +213,15 @@ class StagingPool:
         ``n`` exists. Never deadlocks: every lease is released independently of waiters, and
         with nothing leased the whole pool is one run of ``capacity >= n`` blocks. A chunk in
         one run is one NIXL descriptor per layer and one local copy per layer."""
+        def pick() -> tuple[int, ...] | None:
+            start = self._first_fit(n)
+            return None if start is None else tuple(range(start, start + n))
+
+        return self._take(n, timeout, pick, f"no run of {n} staging blocks")
+
+    def _take(self, n: int, timeout: float | None, pick, what: str) -> tuple[int, ...]:
+        """Wait (FIFO) until this caller is at the head of the queue and ``pick()`` finds blocks;
+        lease them. ``pick`` runs under the lock and returns the blocks or None."""
         if not 1 <= n <= self.capacity:
             raise StateError(f"staging request of {n} blocks; pool holds {self.capacity}")
         ticket = object()
@@ -231,11 +229,10 @@ class StagingPool:
             self._queue.append(ticket)
             try:
                 ok = self._cond.wait_for(
-                    lambda: self._queue[0] is ticket and self._first_fit(n) is not None, timeout)
+                    lambda: self._queue[0] is ticket and pick() is not None, timeout)
                 if not ok:
-                    raise TimeoutError(f"no run of {n} staging blocks within {timeout} s")
-                start = self._first_fit(n)
-                got = tuple(range(start, start + n))
+                    raise TimeoutError(f"{what} within {timeout} s")
+                got = pick()
                 taken = set(got)
                 self._free = collections.deque(b for b in self._free if b not in taken)
                 self._leased.update(got)
