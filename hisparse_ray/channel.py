@@ -2,15 +2,19 @@
 
 The coordinator and each co-located TP rank exchange ``StepCommand`` / ``StepReport`` through a pair
 of these instead of Ray actor calls (~1 ms each): a ``/dev/shm`` segment holding a ring of
-length-prefixed pickled messages. No futex: waiting spins, then yields, then sleeps with
-exponential backoff up to a deadline.
+length-prefixed encoded messages (``StepCodec`` by default). Waiting spins, then yields, then
+blocks on a futex on the peer's position word (woken by the peer's next publish; timed slices
+bound a lost wake-up and notice a dead peer); without futex support it sleeps with backoff.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import platform
 import struct
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,7 +28,8 @@ from hisparse_ray.errors import (
     MessageTooLargeError,
 )
 from hisparse_ray.hostsegment import pid_alive as _pid_alive
-from hisparse_ray.transfer.codec import Codec, WireCodec
+from hisparse_ray.transfer.codec import Codec
+from hisparse_ray.transfer.stepcodec import StepCodec
 
 SHM_DIR = "/dev/shm"
 DEFAULT_PREFIX = "hsr-ch-"
@@ -38,11 +43,53 @@ _OFF_WRITE = 64  # bytes of frames published by the sender
 _OFF_READ = 128  # bytes of frames consumed by the receiver
 _OFF_SENDER_PID, _OFF_RECEIVER_PID = 192, 200
 _OFF_SENDER_CLOSED, _OFF_RECEIVER_CLOSED = 208, 216
+_OFF_SENDER_WAITING, _OFF_RECEIVER_WAITING = 224, 232  # 1 while blocked on the futex
 _DATA = 256
 _FRAME = struct.Struct("<QQ")  # payload length, sequence number (0, 1, 2, ...)
 _U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
 
 Role = Literal["sender", "receiver"]
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the words live in a shared mapping
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _load_syscall():
+    if _SYS_FUTEX is None or not hasattr(os, "sched_yield"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syscall  # CDLL calls release the GIL
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_long
+    return fn
+
+
+_syscall = _load_syscall()
+_SPIN_WAKE = ctypes.c_int(2**31 - 1)
+
+
+def futex_available() -> bool:
+    """Whether blocked waits use a futex here (Linux x86-64 / aarch64 through libc ``syscall``)."""
+    return _syscall is not None
+
+
+def _futex_wait(addr: int, expected: int, seconds: float) -> None:
+    """Block while the u32 at ``addr`` equals ``expected``, at most ``seconds`` (returns early on
+    a wake-up, a changed word, a signal or a spurious wake: the caller re-checks)."""
+    ts = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
+    _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
+             ctypes.c_int(expected), ctypes.byref(ts), None, ctypes.c_int(0))
+
+
+def _futex_wake(addr: int) -> None:
+    _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
+             _SPIN_WAKE, None, None, ctypes.c_int(0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +104,18 @@ class ChannelSpec:
 @dataclass(frozen=True, slots=True)
 class WaitPolicy:
     """How a blocked ``send``/``recv`` waits: busy-spin for ``spin_s``, then ``sched_yield()``s
-    until ``yield_s``, then sleeps doubling from ``min_sleep_s`` to ``max_sleep_s``. The peer's
-    liveness is checked at most every ``liveness_s`` once sleeping. Ranks with a core of their
-    own can raise ``yield_s`` (more CPU, never the sleep phase's added latency)."""
+    until ``yield_s``, then blocks on a futex (``futex=True`` and supported: the peer's publish
+    wakes it, a wait lasts at most ``futex_slice_s``) or else sleeps doubling from
+    ``min_sleep_s`` to ``max_sleep_s``. The peer's liveness is checked at most every
+    ``liveness_s`` once blocked. Ranks with a core of their own can raise ``yield_s``."""
 
     spin_s: float = 50e-6
     yield_s: float = 1e-3
     min_sleep_s: float = 10e-6
     max_sleep_s: float = 100e-6  # bounds the latency a sleeping waiter adds
     liveness_s: float = 0.02
+    futex: bool = True
+    futex_slice_s: float = 2e-3  # bounds a lost wake-up (see ShmChannel) and the close check
 
     def __post_init__(self) -> None:
         if not 0 <= self.spin_s <= self.yield_s:
@@ -73,6 +123,8 @@ class WaitPolicy:
         if not 0 < self.min_sleep_s <= self.max_sleep_s:
             raise ValueError(f"need 0 < min_sleep_s <= max_sleep_s, got {self.min_sleep_s}, "
                              f"{self.max_sleep_s}")
+        if not self.futex_slice_s > 0:
+            raise ValueError(f"need futex_slice_s > 0, got {self.futex_slice_s}")
 
 
 def pid_alive(pid: int) -> bool:
@@ -112,7 +164,15 @@ class ShmChannel:
     ``capacity`` bytes; the sender publishes a frame by advancing ``write_pos`` after copying it,
     the receiver frees it by advancing ``read_pos``. Invariants: ``0 <= write_pos - read_pos <=
     capacity``; messages arrive in order, each once (the receiver checks ``seq``). Relies on the
-    x86-64 store order (TSO) for publication; no fences are issued.
+    x86-64 store order (TSO) for publication. Wake-ups: a blocked side raises its ``*_WAITING``
+    word and futex-waits on the low 32 bits of the peer's position; the peer, after publishing,
+    wakes it if that word is up. Both sides put a full fence (a lock round trip) between their
+    store and their load, so at least one sees the other (Dekker); the timed slice bounds the
+    cost of anything missed anyway.
+
+    Codecs: the channel uses ``codec.fresh()`` when the codec has one (a stateful codec keeps one
+    state per direction), and calls ``codec.reset()`` when an encoded message is not delivered
+    (too large, timeout, peer closed or lost).
 
     Lifecycle: ``create`` (either role) -> ``spec`` to the peer -> peer ``attach`` (which unlinks
     the name: from then on nothing leaks even if both crash) -> ``send``/``recv`` -> ``close``
@@ -123,11 +183,18 @@ class ShmChannel:
                  creator: bool, policy: WaitPolicy, codec: Codec | None) -> None:
         self.name, self.role, self.capacity = name, role, capacity
         self._fd, self._mm, self._creator, self._policy = fd, mm, creator, policy
-        self._codec = codec or WireCodec()
+        codec = codec if codec is not None else StepCodec()
+        fresh = getattr(codec, "fresh", None)
+        self._codec = fresh() if fresh is not None else codec
         self._seq = 0
         self._pos = self._load(_OFF_WRITE if role == "sender" else _OFF_READ)
         self._store(_OFF_SENDER_PID if role == "sender" else _OFF_RECEIVER_PID, os.getpid())
         self._closed = False
+        self._fence_lock = threading.Lock()
+        self._futex = policy.futex and futex_available()
+        probe = ctypes.c_char.from_buffer(mm)  # the mapping's address (it never moves)
+        self._base = ctypes.addressof(probe)
+        del probe  # drop the buffer export so that close() can unmap
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -136,7 +203,7 @@ class ShmChannel:
                prefix: str = DEFAULT_PREFIX, policy: WaitPolicy | None = None,
                codec: Codec | None = None) -> ShmChannel:
         """Create a new segment and take ``role``; ``capacity`` bytes of ring (multiple of 8).
-        ``codec`` (both ends must agree) defaults to ``WireCodec``: fast for StepCommand and
+        ``codec`` (both ends must agree) defaults to ``StepCodec``: binary for StepCommand and
         StepReport, plain pickle for anything else."""
         if role not in ("sender", "receiver"):
             raise ValueError(f"role must be 'sender' or 'receiver', got {role!r}")
@@ -190,6 +257,10 @@ class ShmChannel:
             return
         self._closed = True
         self._store(_OFF_SENDER_CLOSED if self.role == "sender" else _OFF_RECEIVER_CLOSED, 1)
+        if self._futex:  # a blocked peer sees the close at once
+            self._fence()
+            _futex_wake(self._base + _OFF_WRITE)
+            _futex_wake(self._base + _OFF_READ)
         self._mm.close()
         os.close(self._fd)
         if self._creator:
@@ -219,18 +290,25 @@ class ShmChannel:
         if self._load(_OFF_RECEIVER_CLOSED):
             raise ChannelClosedError("the receiver closed its end", self.name)
         payload = self._codec.dumps(obj)
-        if len(payload) > self.max_message_bytes:
-            raise MessageTooLargeError(len(payload), self.max_message_bytes, self.name)
-        frame = _FRAME.size + ((len(payload) + 7) & ~7)
-        pos, cap = self._pos, self.capacity
-        if cap - (pos - self._load(_OFF_READ)) < frame:
-            self._wait(lambda: cap - (pos - self._load(_OFF_READ)) >= frame, timeout,
-                       "no room in the ring", _OFF_RECEIVER_PID, _OFF_RECEIVER_CLOSED)
+        try:
+            if len(payload) > self.max_message_bytes:
+                raise MessageTooLargeError(len(payload), self.max_message_bytes, self.name)
+            frame = _FRAME.size + ((len(payload) + 7) & ~7)
+            pos, cap = self._pos, self.capacity
+            if cap - (pos - self._load(_OFF_READ)) < frame:
+                self._wait(lambda: cap - (pos - self._load(_OFF_READ)) >= frame, timeout,
+                           "no room in the ring", "sender")
+        except BaseException:
+            reset = getattr(self._codec, "reset", None)
+            if reset is not None:  # the peer never sees this message: restart the codec state
+                reset()
+            raise
         self._put(pos, _FRAME.pack(len(payload), self._seq))
         self._put(pos + _FRAME.size, payload)
         self._pos = pos + frame
         self._seq += 1
         _U64.pack_into(self._mm, _OFF_WRITE, self._pos)  # publish
+        self._wake_peer(_OFF_RECEIVER_WAITING, _OFF_WRITE)
 
     def recv(self, timeout: float | None = None) -> Any:
         """Take the next message (in send order); blocks up to ``timeout`` s (None = forever).
@@ -240,7 +318,7 @@ class ShmChannel:
         pos = self._pos
         if self._load(_OFF_WRITE) == pos:
             self._wait(lambda: self._load(_OFF_WRITE) != pos, timeout, "no message",
-                       _OFF_SENDER_PID, _OFF_SENDER_CLOSED)
+                       "receiver")
         length, seq = _FRAME.unpack(self._get(pos, _FRAME.size))
         if seq != self._seq or length > self.max_message_bytes:
             raise ChannelError(f"corrupt frame: seq {seq} (expected {self._seq}), "
@@ -249,6 +327,7 @@ class ShmChannel:
         self._pos = pos + _FRAME.size + ((length + 7) & ~7)
         self._seq += 1
         _U64.pack_into(self._mm, _OFF_READ, self._pos)  # free the frame before decoding
+        self._wake_peer(_OFF_SENDER_WAITING, _OFF_READ)
         return self._codec.loads(payload)
 
     def pending(self) -> bool:
@@ -284,37 +363,73 @@ class ShmChannel:
             return mm[_DATA + off:_DATA + off + n]
         return mm[_DATA + off:_DATA + self.capacity] + mm[_DATA:_DATA + n - first]
 
-    def _wait(self, ready, timeout: float | None, what: str, peer_pid_off: int,
-              peer_closed_off: int) -> None:
+    def _fence(self) -> None:
+        """A full memory fence (the uncontended lock round trip executes a locked instruction)."""
+        self._fence_lock.acquire()
+        self._fence_lock.release()
+
+    def _wake_peer(self, peer_waiting_off: int, word_off: int) -> None:
+        """After publishing ``word_off``: wake the peer if it is blocked on that word."""
+        if self._futex:
+            self._fence()
+            if self._load(peer_waiting_off):
+                _futex_wake(self._base + word_off)
+
+    def _wait(self, ready, timeout: float | None, what: str, me: Role) -> None:
+        """Block until ``ready()``; the sender waits on the receiver's read position, the
+        receiver on the sender's write position."""
+        if me == "sender":
+            pid_off, closed_off, word_off, my_flag = (
+                _OFF_RECEIVER_PID, _OFF_RECEIVER_CLOSED, _OFF_READ, _OFF_SENDER_WAITING)
+        else:
+            pid_off, closed_off, word_off, my_flag = (
+                _OFF_SENDER_PID, _OFF_SENDER_CLOSED, _OFF_WRITE, _OFF_RECEIVER_WAITING)
         policy = self._policy
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         sleep, next_check = policy.min_sleep_s, start
-        while True:
-            if ready():
-                return
-            now = time.monotonic()
-            if self._load(peer_closed_off):
+        flagged = False
+        try:
+            while True:
                 if ready():
                     return
-                raise ChannelClosedError(f"{what}: the peer closed its end", self.name)
-            if deadline is not None and now >= deadline:
-                raise ChannelTimeoutError(f"{what} after {timeout:.3g} s", self.name)
-            elapsed = now - start
-            if elapsed < policy.spin_s:
-                continue
-            if elapsed < policy.yield_s:
-                os.sched_yield()
-                continue
-            if now >= next_check:
-                next_check = now + policy.liveness_s
-                pid = self._load(peer_pid_off)
-                if pid and not pid_alive(pid):
+                now = time.monotonic()
+                if self._load(closed_off):
                     if ready():
                         return
-                    raise ChannelPeerLostError(f"{what}: peer pid {pid} died", self.name)
-            time.sleep(sleep if deadline is None else max(0.0, min(sleep, deadline - now)))
-            sleep = min(sleep * 2, policy.max_sleep_s)
+                    raise ChannelClosedError(f"{what}: the peer closed its end", self.name)
+                if deadline is not None and now >= deadline:
+                    raise ChannelTimeoutError(f"{what} after {timeout:.3g} s", self.name)
+                elapsed = now - start
+                if elapsed < policy.spin_s:
+                    continue
+                if elapsed < policy.yield_s:
+                    os.sched_yield()
+                    continue
+                if now >= next_check:
+                    next_check = now + policy.liveness_s
+                    pid = self._load(pid_off)
+                    if pid and not pid_alive(pid):
+                        if ready():
+                            return
+                        raise ChannelPeerLostError(f"{what}: peer pid {pid} died", self.name)
+                if self._futex:
+                    if not flagged:
+                        self._store(my_flag, 1)
+                        flagged = True
+                    self._fence()
+                    word = _U32.unpack_from(self._mm, word_off)[0]
+                    if ready():
+                        return
+                    left = policy.futex_slice_s if deadline is None else deadline - now
+                    _futex_wait(self._base + word_off, word,
+                                max(1e-6, min(policy.futex_slice_s, left)))
+                    continue
+                time.sleep(sleep if deadline is None else max(0.0, min(sleep, deadline - now)))
+                sleep = min(sleep * 2, policy.max_sleep_s)
+        finally:
+            if flagged and not self._closed:
+                self._store(my_flag, 0)
 
 
 class ChannelPair:

@@ -23,7 +23,7 @@ from hisparse_ray.errors import (
     ChannelTimeoutError,
     MessageTooLargeError,
 )
-from hisparse_ray.transfer.codec import WireCodec
+from hisparse_ray.transfer.stepcodec import StepCodec
 from hisparse_ray.types import BatchRow, Rank, RequestId, StepCommand, StepReport
 
 FAST = WaitPolicy(spin_s=0, yield_s=0, min_sleep_s=1e-4, max_sleep_s=1e-3)
@@ -182,7 +182,7 @@ def test_ring_matches_a_fifo_model(ops):
 
 
 def _pickled(obj) -> bytes:
-    return WireCodec().dumps(obj)
+    return StepCodec().dumps(obj)  # the channel's default codec
 
 
 @pytest.mark.parametrize("err", [
