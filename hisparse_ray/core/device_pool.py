@@ -9,12 +9,18 @@ whether a block is a resident page or part of a hot buffer. Lifecycle of a block
 Cache groups: the *source* group (host blocks) has no device pool id; code that indexes a device
 pool must narrow the group first (:func:`device_pool_id`), so host ownership can never masquerade
 as a device pool.
+
+Allocation order: ``lease(n)`` hands out the first contiguous run of ``n`` free blocks, else the
+``n`` lowest, always ascending (:class:`FreeBlocks`): resident landings write into these blocks,
+and a contiguous run is one descriptor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
+from hisparse_ray.core.free_blocks import FreeBlocks
 from hisparse_ray.errors import DoubleFreeError, StateError
 from hisparse_ray.types import DeviceBlockId, RequestId
 
@@ -46,7 +52,7 @@ class DeviceBlockPool:
     def __init__(self, num_blocks: int, pool_id: int = 0) -> None:
         self.num_blocks = num_blocks
         self.pool_id = pool_id
-        self._free: list[DeviceBlockId] = [DeviceBlockId(b) for b in range(num_blocks - 1, -1, -1)]
+        self._free = FreeBlocks(num_blocks)
         self._owner: dict[DeviceBlockId, RequestId] = {}
         self._pins: dict[DeviceBlockId, int] = {}
 
@@ -69,13 +75,14 @@ class DeviceBlockPool:
 
     def lease(self, n: int, owner: RequestId, group: CacheGroup = RESIDENT_GROUP
               ) -> list[DeviceBlockId] | None:
-        """``n`` blocks leased to ``owner`` (all or nothing; None if fewer are free)."""
+        """``n`` blocks leased to ``owner``, strictly ascending (first contiguous free run, else the
+        lowest free); all or nothing: None if fewer are free."""
         if device_pool_id(group) != self.pool_id:
             raise StateError(f"cache group {group.name!r} belongs to device pool "
                              f"{group.device_pool_id}, not {self.pool_id}")
-        if n > len(self._free):
+        out = cast("list[DeviceBlockId] | None", self._free.take(n))
+        if out is None:
             return None
-        out = [self._free.pop() for _ in range(n)]
         for b in out:
             self._owner[b] = owner
         return out
@@ -86,7 +93,7 @@ class DeviceBlockPool:
         if self._pins.get(block):
             raise StateError(f"device block {block} is pinned by an unacknowledged transfer")
         del self._owner[block]
-        self._free.append(block)
+        self._free.add(block)
 
     def pin(self, block: DeviceBlockId) -> None:
         if block not in self._owner:
@@ -103,8 +110,8 @@ class DeviceBlockPool:
             self._pins[block] = n - 1
 
     def check_invariants(self) -> None:
+        self._free.check_invariants()
         free = set(self._free)
-        assert len(free) == len(self._free), "device free list has duplicates"
         assert not free & self._owner.keys(), "device block both free and leased"
         assert len(free) + len(self._owner) == self.num_blocks, "device blocks lost or duplicated"
         assert all(0 <= b < self.num_blocks for b in free | self._owner.keys())

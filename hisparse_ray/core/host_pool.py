@@ -10,12 +10,18 @@ Lifecycle of a block::
 ``refs`` count request pages that own the block; ``pins`` count in-flight transfers that read or
 write it (spill destination, restore source, backup destination). A pinned block is never freed or
 evicted, so no lease is released before its ack.
+
+Allocation order: ``allocate(n)`` hands out the first contiguous run of ``n`` free blocks, else the
+``n`` lowest free blocks, always ascending (see :class:`FreeBlocks`), so a request's pages form few
+contiguous host runs and the landing path needs few descriptors and copies.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import cast
 
+from hisparse_ray.core.free_blocks import FreeBlocks
 from hisparse_ray.core.prefix_index import PrefixIndex, PrefixKey
 from hisparse_ray.errors import DoubleFreeError, StateError
 from hisparse_ray.types import HostBlockId
@@ -28,7 +34,7 @@ class HostBlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: list[HostBlockId] = [HostBlockId(b) for b in range(num_blocks - 1, -1, -1)]
+        self._free = FreeBlocks(num_blocks)
         self._refs = [0] * num_blocks
         self._pins = [0] * num_blocks
         self._cached: OrderedDict[HostBlockId, None] = OrderedDict()  # LRU: oldest first
@@ -66,20 +72,21 @@ class HostBlockPool:
 
     # -- transitions -----------------------------------------------------------------------------
     def allocate(self, n: int) -> list[HostBlockId] | None:
-        """``n`` private blocks with refs=1, evicting least recently used cached blocks when the
-        free list runs out; None (nothing changed) if fewer than ``n`` are available."""
+        """``n`` private blocks with refs=1, strictly ascending (first contiguous free run, else
+        the lowest free), evicting exactly ``n - num_free`` least recently used cached blocks when
+        the free blocks do not suffice; None (nothing changed) if fewer than ``n`` are available."""
         if n > self.available():
             return None
-        out: list[HostBlockId] = []
-        for _ in range(n):
-            if not self._free:
-                victim, _ = self._cached.popitem(last=False)
-                self.index.remove_block(victim)
-                self.evictions += 1
-                self._free.append(victim)
-            b = self._free.pop()
-            self._refs[b] = 1
-            out.append(b)
+        for _ in range(n - len(self._free)):
+            victim, _ = self._cached.popitem(last=False)
+            self.index.remove_block(victim)
+            self.evictions += 1
+            self._free.add(victim)
+        out = cast("list[HostBlockId]", self._free.take(n))
+        assert out is not None
+        refs = self._refs
+        for b in out:
+            refs[b] = 1
         return out
 
     def acquire(self, block: HostBlockId) -> None:
@@ -120,14 +127,14 @@ class HostBlockPool:
         if self.is_published(block):
             self._cached[block] = None  # most recently used end
         else:
-            self._free.append(block)
+            self._free.add(block)
 
     # -- checks ----------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         self.index.check_invariants()
+        self._free.check_invariants()
         free = set(self._free)
         cached = set(self._cached)
-        assert len(free) == len(self._free), "host free list has duplicates"
         assert not free & cached, "host block both free and cached"
         for b in range(self.num_blocks):
             r, p = self._refs[b], self._pins[b]

@@ -247,7 +247,7 @@ def test_waiting_admission_converts_a_resident_request_and_lands_after_enqueued(
     ack(c, cmd, enqueued=True)
     (adm,) = c.poll_waiting()
     assert (adm.request_id, adm.target, [p.device_block for p in adm.pages]) == (
-        "b", T.RESIDENT, [3, 2])
+        "b", T.RESIDENT, [1, 2])  # blocks 1..3 were released, 0 is a's hot buffer: lowest first
     c.check_invariants()
 
 
