@@ -1,25 +1,33 @@
-"""Per-step control round trip: a StepCommand-sized message from a coordinator actor to every TP
-rank actor and their StepReports back, over the shared-memory channel vs plain Ray actor calls,
-measured in the same run (target: <= 100 us at TP 2).
+"""Per-step control-plane overhead, old vs new, in the same run: the previous channel (WireCodec,
+sleeping waits) against the current one (StepCodec, futex wake-ups), for realistic decode steps
+(batch rows with hot-buffer block lists, a few table diffs/transfers, one backup per row; the
+rank's StepReport with acks, sampled tokens and hits_by_request). Target: <= 100 us at TP 2.
 
-One command:  python benchmarks/bench_channel.py            (add --smoke for a quick CPU check)
-Prints a table and writes JSON (default benchmarks/results/channel.json).
+Part 1, codec alone (one process): encode / decode of a command and of a report, per call.
+Part 2, round trip through real channels: this process is the coordinator, each TP rank a spawned
+process that decodes the command, builds its report (timed as "execute", plus an optional
+emulated ``--exec-us`` of work, slept) and sends it back. ``overhead`` = round trip minus the
+slower rank's execute time (the BENCHMARKS.md metric); exec 0 shows back-to-back cost, a
+millisecond-scale exec shows the wake-up cost of a waiter that went to sleep.
+
+One command:  python benchmarks/bench_channel.py          (--smoke: a quick CPU check)
+Prints two tables and writes JSON (default benchmarks/results/channel.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
-import pickle
 import platform
 import statistics
+import sys
 import time
 
-import ray
-
-from hisparse_ray.channel import ChannelPair
+from hisparse_ray.channel import ChannelPair, WaitPolicy, futex_available
 from hisparse_ray.transfer.codec import WireCodec
+from hisparse_ray.transfer.stepcodec import _MEMO, StepCodec
 from hisparse_ray.types import (
     Backup,
     BatchRow,
@@ -35,135 +43,233 @@ from hisparse_ray.types import (
     TransferKind,
 )
 
-
-def step_command(step: int, rank: int, batch: int, hot_blocks: int) -> StepCommand:
-    """A decode step of ``batch`` host-tier requests with a few table diffs, spills and backups."""
-    rows = tuple(BatchRow(RequestId(f"req-{i:05d}"), 40_000 + i, 1000 + i,
-                          tuple(DeviceBlockId(i * hot_blocks + j) for j in range(hot_blocks)))
-                 for i in range(batch))
-    diffs = tuple(TableDiff(RequestId(f"req-{i:05d}"), 625, 9000 + i, -1) for i in range(batch // 4))
-    transfers = tuple(PageTransfer(TransferId(step * 100 + i), TransferKind.SPILL,
-                                   DeviceBlockId(i), HostBlockId(5000 + i)) for i in range(4))
-    backups = tuple(Backup(TransferId(step * 100 + 50 + i), RequestId(f"req-{i:05d}"), 40_000 + i,
-                           HostBlockId(7000 + i), i % 64) for i in range(batch))
-    return StepCommand(step, Rank(rank), rows, diffs, transfers, backups)
+# name -> (codec factory, wait policy): "old" is the channel before StepCodec and futex waits
+CONFIGS = {
+    "old": (WireCodec, WaitPolicy(futex=False)),
+    "new": (StepCodec, WaitPolicy()),
+}
 
 
-class RankWorker:
-    """A TP rank: answers each StepCommand with a StepReport (over the channel or as a Ray call)."""
+_HOT: dict[tuple[int, int], list[list[int]]] = {}
 
-    def step(self, cmd: StepCommand) -> StepReport:
-        return StepReport(cmd.step, cmd.rank, completed=tuple(t.transfer_id for t in cmd.transfers),
-                          sampled=((cmd.batch[0].request_id, 7),) if cmd.rank == 0 else ())
 
-    def serve(self, spec, n: int) -> int:
-        with ChannelPair.attach(spec) as pair:
+def step_commands(step: int, tp: int, batch: int, hot_blocks: int) -> list[StepCommand]:
+    """One decode step of ``batch`` host-tier requests for every rank, built the way the core
+    builds it: ``tuple(req.hot)`` of a per-request list each step (a fresh tuple of the same int
+    objects), hot buffers unchanged, the same row objects for all ranks."""
+    hot = _HOT.setdefault((batch, hot_blocks), [
+        [DeviceBlockId(i * hot_blocks + j) for j in range(hot_blocks)] for i in range(batch)])
+    rows = [BatchRow(RequestId(f"req-{i:05d}"), 40_000 + step + i, 1000 + (step * 7 + i) % 5000,
+                     tuple(hot[i])) for i in range(batch)]
+    diffs = [TableDiff(RequestId(f"req-{(step + i) % batch:05d}"), 625 + step // 64, 9000 + i, -1)
+             for i in range(max(1, batch // 16))]
+    transfers = [PageTransfer(TransferId(step * 1000 + i), TransferKind.SPILL, DeviceBlockId(i),
+                              HostBlockId(5000 + i)) for i in range(2)]
+    backups = [Backup(TransferId(step * 1000 + 100 + i), r.request_id, r.seq_len - 1,
+                      HostBlockId(7000 + i), (r.seq_len - 1) % 64) for i, r in enumerate(rows)]
+    return [StepCommand(step, Rank(r), tuple(rows), tuple(diffs), tuple(transfers),
+                        tuple(backups)) for r in range(tp)]
+
+
+def make_report(cmd: StepCommand) -> StepReport:
+    """What a rank answers (rank 0 carries sampled tokens and per-request hits)."""
+    acks = tuple(t.transfer_id for t in cmd.transfers) + tuple(b.transfer_id for b in cmd.backups)
+    lead = cmd.rank == 0
+    return StepReport(
+        cmd.step, cmd.rank, enqueued=acks, completed=acks,
+        sampled=tuple((r.request_id, r.input_token + 1) for r in cmd.batch) if lead else (),
+        hot_hits=3 * len(cmd.batch), hot_misses=len(cmd.batch),
+        hits_by_request=tuple((r.request_id, 3, 1) for r in cmd.batch) if lead else ())
+
+
+def rank_main(ctrl, results) -> None:
+    """A TP rank process: for each session on ``ctrl`` (config, spec, steps, exec_us), serve
+    that many steps and put the per-step execute seconds on ``results``."""
+    while True:
+        job = ctrl.get()
+        if job is None:
+            return
+        config, spec, n, exec_s = job
+        factory, policy = CONFIGS[config]
+        execs = []
+        with ChannelPair.attach(spec, policy=policy, codec=factory()) as pair:
             for _ in range(n):
-                pair.send(self.step(pair.recv(timeout=60)))
-        return n
+                cmd = pair.recv(timeout=120)
+                t0 = time.perf_counter()
+                report = make_report(cmd)
+                if exec_s:
+                    time.sleep(exec_s)
+                execs.append(time.perf_counter() - t0)
+                pair.send(report, timeout=120)
+        results.put(execs)
 
 
-class Coordinator:
-    def __init__(self, tp: int, batch: int, hot_blocks: int, capacity: int):
-        self.cmds = [step_command(0, r, batch, hot_blocks) for r in range(tp)]
-        self.pairs = [ChannelPair.create(capacity) for _ in range(tp)]
+def _q(samples_us: list[float]) -> dict:
+    us = sorted(samples_us)
+    pick = lambda f: us[min(len(us) - 1, int(f * len(us)))]  # noqa: E731
+    return {"n": len(us), "p50_us": pick(0.5), "p90_us": pick(0.9), "p99_us": pick(0.99),
+            "mean_us": statistics.fmean(us)}
 
-    def specs(self):
-        return [p.spec for p in self.pairs]
 
-    def message_bytes(self) -> tuple[int, int]:
-        """(wire-codec bytes, plain-pickle bytes) of one StepCommand."""
-        return (len(WireCodec().dumps(self.cmds[0])),
-                len(pickle.dumps(self.cmds[0], protocol=pickle.HIGHEST_PROTOCOL)))
+def codec_costs(batch: int, hot_blocks: int, steps: int) -> list[dict]:
+    """Per-call encode/decode microseconds of a stateful stream of ``steps`` distinct steps;
+    old and new interleaved step by step so load on the machine hits both alike."""
+    cmds = [step_commands(s, 1, batch, hot_blocks)[0] for s in range(steps)]
+    reps = [make_report(c) for c in cmds]
+    pc = time.perf_counter
+    out = {name: {k: [] for k in ("cmd_enc", "cmd_dec", "rep_enc", "rep_dec", "coord_tp2", "bytes")}
+           for name in CONFIGS}
+    codecs = {name: (f(), f()) for name, (f, _) in CONFIGS.items()}
+    for cmd, rep in zip(cmds, reps):
+        for name, (enc, dec) in codecs.items():
+            acc = out[name]
+            for msg, ek, dk in ((cmd, "cmd_enc", "cmd_dec"), (rep, "rep_enc", "rep_dec")):
+                t0 = pc()
+                data = enc.dumps(msg)
+                t1 = pc()
+                back = dec.loads(data)
+                t2 = pc()
+                assert back == msg
+                acc[ek].append((t1 - t0) * 1e6)
+                acc[dk].append((t2 - t1) * 1e6)
+            acc["bytes"].append(len(data))
+    # the coordinator's serial share of a TP 2 step: encode for both ranks (one channel codec
+    # each), decode both reports
+    _MEMO.clear()  # no encodings shared with the single-rank pass above
+    tp2 = [step_commands(s, 2, batch, hot_blocks) for s in range(steps)]
+    group = {name: [(f(), f(), f()) for _ in range(2)] for name, (f, _) in CONFIGS.items()}
+    for pair in tp2:
+        for name, ends in group.items():
+            reps2 = [e_rank.dumps(make_report(c)) for c, (_, e_rank, _) in zip(pair, ends)]
+            t0 = pc()
+            sent = [enc.dumps(c) for c, (enc, _, _) in zip(pair, ends)]
+            for data, (_, _, dec) in zip(reps2, ends):
+                dec.loads(data)
+            out[name]["coord_tp2"].append((pc() - t0) * 1e6)
+            for data, (_, e_rank, _) in zip(sent, ends):
+                e_rank.loads(data)  # the rank's decoder keeps up with the stream
+    warm = max(1, steps // 10)
+    rows = []
+    for name, acc in out.items():
+        row = {"batch": batch, "codec": name, "cmd_bytes": len(codecs[name][0].dumps(cmds[-1]))}
+        for k in ("cmd_enc", "cmd_dec", "rep_enc", "rep_dec", "coord_tp2"):
+            row[k + "_p50_us"] = statistics.median(acc[k][warm:])
+        rows.append(row)
+    return rows
 
-    def codec_cost(self, n: int) -> list[float]:
-        """Seconds of one WireCodec encode + decode of the command, in this process."""
-        codec, out = WireCodec(), []
-        for _ in range(n):
+
+def channel_run(config: str, tp: int, batch: int, hot_blocks: int, exec_us: float, n: int,
+                warmup: int, ranks: list) -> dict:
+    factory, policy = CONFIGS[config]
+    total = warmup + n
+    cycle = [step_commands(s, tp, batch, hot_blocks) for s in range(min(total, 256))]
+    pairs = [ChannelPair.create(1 << 20, policy=policy, codec=factory()) for _ in range(tp)]
+    try:
+        for (ctrl, _), pair in zip(ranks, pairs):
+            ctrl.put((config, pair.spec, total, exec_us * 1e-6))
+        rts = []
+        for i in range(total):
+            cmds = cycle[i % len(cycle)]
+            if i >= len(cycle):  # keep steps distinct and increasing (the codec state sees a stream)
+                cmds = [StepCommand(i, c.rank, c.batch, c.table_diffs, c.transfers, c.backups)
+                        for c in cmds]
             t0 = time.perf_counter()
-            codec.loads(codec.dumps(self.cmds[0]))
-            out.append(time.perf_counter() - t0)
-        return out
-
-    def run_channel(self, n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            for pair, cmd in zip(self.pairs, self.cmds):
-                pair.send(cmd)
-            for pair in self.pairs:
-                pair.recv(timeout=60)
-            out.append(time.perf_counter() - t0)
-        return out
-
-    def run_ray(self, ranks, n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            ray.get([r.step.remote(c) for r, c in zip(ranks, self.cmds)])
-            out.append(time.perf_counter() - t0)
-        return out
-
-    def close(self) -> None:
-        for p in self.pairs:
+            for pair, cmd in zip(pairs, cmds):
+                pair.send(cmd, 120)
+            for pair in pairs:
+                pair.recv(120)
+            rts.append(time.perf_counter() - t0)
+        execs = [res.get(timeout=120) for _, res in ranks]
+    finally:
+        for p in pairs:
             p.close()
-
-
-def _stats(name: str, tp: int, samples: list[float]) -> dict:
-    us = sorted(s * 1e6 for s in samples)
-    q = lambda f: us[min(len(us) - 1, int(f * len(us)))]  # noqa: E731
-    return {"path": name, "tp": tp, "n": len(us), "p50_us": q(0.5), "p90_us": q(0.9),
-            "p99_us": q(0.99), "mean_us": statistics.fmean(us)}
+    slowest = [max(e[i] for e in execs) for i in range(total)]
+    over = [(rt - ex) * 1e6 for rt, ex in zip(rts[warmup:], slowest[warmup:])]
+    row = {"config": config, "tp": tp, "batch": batch, "exec_us": exec_us,
+           "round_trip_p50_us": statistics.median(r * 1e6 for r in rts[warmup:])}
+    row.update({"overhead_" + k: v for k, v in _q(over).items()})
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--batch", type=int, default=32, help="requests per step command")
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--hot-blocks", type=int, default=33, help="hot-buffer blocks per request")
-    ap.add_argument("--iters", type=int, default=3000)
-    ap.add_argument("--warmup", type=int, default=300)
-    ap.add_argument("--capacity", type=int, default=1 << 20)
+    ap.add_argument("--exec-us", type=float, nargs="+", default=[0.0, 2000.0],
+                    help="emulated execute time per step on each rank (slept)")
+    ap.add_argument("--iters", type=int, default=600)
+    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--codec-steps", type=int, default=600)
     ap.add_argument("--smoke", action="store_true", help="few iterations (CI / quick check)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "channel.json"))
     a = ap.parse_args()
     if a.smoke:
-        a.iters, a.warmup = 200, 20
-    ray.init(address="local", num_cpus=max(a.tp) + 2, include_dashboard=False, log_to_driver=False)
-    RankA, CoordA = ray.remote(num_cpus=0)(RankWorker), ray.remote(num_cpus=0)(Coordinator)
-    rows, msg_bytes = [], (0, 0)
+        a.iters, a.warmup, a.codec_steps = 100, 10, 100
+    codec_rows = [r for b in a.batch for r in codec_costs(b, a.hot_blocks, a.codec_steps)]
+    ctx = mp.get_context("spawn")
+    ranks = [(ctx.Queue(), ctx.Queue()) for _ in range(max(a.tp))]
+    procs = [ctx.Process(target=rank_main, args=q, daemon=True) for q in ranks]
+    for p in procs:
+        p.start()
+    chan_rows = []
     try:
-        for tp in a.tp:
-            coord = CoordA.remote(tp, a.batch, a.hot_blocks, a.capacity)
-            ranks = [RankA.remote() for _ in range(tp)]
-            msg_bytes = ray.get(coord.message_bytes.remote())
-            total = a.warmup + a.iters
-            serving = [r.serve.remote(s, total) for r, s in zip(ranks, ray.get(coord.specs.remote()))]
-            chan = ray.get(coord.run_channel.remote(total))[a.warmup:]
-            ray.get(serving)
-            ray_calls = ray.get(coord.run_ray.remote(ranks, a.warmup + a.iters // 3))[a.warmup:]
-            codec = ray.get(coord.codec_cost.remote(a.iters))
-            rows += [_stats("shm channel", tp, chan), _stats("ray actor call", tp, ray_calls),
-                     _stats("codec enc+dec", tp, codec)]
-            ray.get(coord.close.remote())
-            for h in [coord, *ranks]:
-                ray.kill(h)
+        for exec_us in a.exec_us:
+            for tp in a.tp:
+                for batch in a.batch:
+                    for config in CONFIGS:  # old and new back to back, same conditions
+                        chan_rows.append(channel_run(config, tp, batch, a.hot_blocks, exec_us,
+                                                     a.iters, a.warmup, ranks[:tp]))
     finally:
-        ray.shutdown()
-    print(f"StepCommand: batch {a.batch}, {a.hot_blocks} hot blocks/request -> {msg_bytes[0]} B "
-          f"(wire codec), {msg_bytes[1]} B (pickle)")
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
-    print(f"{'path':<16}{'tp':>4}{'n':>7}{'p50 us':>10}{'p90 us':>10}{'p99 us':>10}{'mean us':>10}")
-    for r in rows:
-        print(f"{r['path']:<16}{r['tp']:>4}{r['n']:>7}{r['p50_us']:>10.1f}{r['p90_us']:>10.1f}"
-              f"{r['p99_us']:>10.1f}{r['mean_us']:>10.1f}")
+        for ctrl, _ in ranks:
+            ctrl.put(None)
+        for p in procs:
+            p.join(10)
+    _print(a, codec_rows, chan_rows)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"bench": "channel", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-                   "load_avg": os.getloadavg(), "message_bytes": msg_bytes, "args": vars(a), "rows": rows}, f, indent=1)
+                   "python": sys.version.split()[0], "futex": futex_available(),
+                   "load_avg": os.getloadavg(), "args": vars(a), "codec": codec_rows,
+                   "channel": chan_rows}, f, indent=1)
     print(f"wrote {a.out}")
+
+
+def _print(a, codec_rows: list[dict], chan_rows: list[dict]) -> None:
+    print(f"hot blocks/request {a.hot_blocks}; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cpus; futex {futex_available()}")
+    print("\ncodec alone, p50 us per call (stateful stream of distinct steps)")
+    print("(sum: one rank's command and report both ways; coord tp2: the coordinator's encodes "
+          "for 2 ranks + 2 report decodes)")
+    print(f"{'batch':>5} {'codec':>5} {'cmd B':>7} {'cmd enc':>8} {'cmd dec':>8} {'rep enc':>8} "
+          f"{'rep dec':>8} {'sum':>8} {'coord tp2':>10} {'new/old':>8}")
+    old = {}
+    for r in codec_rows:
+        s = r["cmd_enc_p50_us"] + r["cmd_dec_p50_us"] + r["rep_enc_p50_us"] + r["rep_dec_p50_us"]
+        ratio = ""
+        if r["codec"] == "old":
+            old[r["batch"]] = s
+        elif r["batch"] in old:
+            ratio = f"{s / old[r['batch']]:.2f}"
+        print(f"{r['batch']:>5} {r['codec']:>5} {r['cmd_bytes']:>7} {r['cmd_enc_p50_us']:>8.1f} "
+              f"{r['cmd_dec_p50_us']:>8.1f} {r['rep_enc_p50_us']:>8.1f} {r['rep_dec_p50_us']:>8.1f} "
+              f"{s:>8.1f} {r['coord_tp2_p50_us']:>10.1f} {ratio:>8}")
+    print("\nstep round trip through real channels; overhead = round trip - slower rank's execute")
+    print(f"{'exec us':>7} {'tp':>3} {'batch':>5} {'cfg':>4} {'rt p50':>8} {'ovh p50':>8} "
+          f"{'ovh p90':>8} {'ovh p99':>9} {'new/old p50':>12}")
+    old = {}
+    for r in chan_rows:
+        key = (r["exec_us"], r["tp"], r["batch"])
+        ratio = ""
+        if r["config"] == "old":
+            old[key] = r["overhead_p50_us"]
+        elif key in old:
+            ratio = f"{r['overhead_p50_us'] / old[key]:.2f}"
+        print(f"{r['exec_us']:>7.0f} {r['tp']:>3} {r['batch']:>5} {r['config']:>4} "
+              f"{r['round_trip_p50_us']:>8.1f} {r['overhead_p50_us']:>8.1f} "
+              f"{r['overhead_p90_us']:>8.1f} {r['overhead_p99_us']:>9.1f} {ratio:>12}")
 
 
 if __name__ == "__main__":

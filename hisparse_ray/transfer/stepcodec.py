@@ -1,30 +1,35 @@
-"""StepCodec: the stateful flat binary codec of the step channel (adapter ring, standard library +
-the wire module). The default codec of ``hisparse_ray.channel``.
+"""StepCodec: the stateful binary codec of the step channel (adapter ring, standard library + the
+wire module). The default codec of ``hisparse_ray.channel``.
 
 Why: the per-step control budget at TP 2 is <= 100 us, and pickling ~100 small frozen dataclasses
-(even flattened, ``WireCodec``) costs about that on its own. Here a ``StepCommand`` / ``StepReport``
-becomes one small header, the request-id definitions, and one little-endian int64 column block
-(``struct``), and is rebuilt column-wise with slot-setting constructors.
+(even flattened, ``WireCodec``) costs about that on its own. A ``StepCommand`` becomes one small
+header, the request-id definitions and one little-endian int64 block (``struct``), rebuilt with
+slot-setting constructors; a ``StepReport`` (plain ints, ids and tuples) is ``marshal``ed.
 
-Stateful, one instance per channel *direction* (the SPSC ring is ordered and lossless):
+Command encoding is stateful, one state per channel *direction* (the SPSC ring is ordered and
+lossless):
   * Request ids are interned: a message *defines* ``index -> id`` for ids the encoder has not sent
     before (explicitly: the decoder never allocates, it only overwrites), later messages name the
     id by index. Ids in ``StepCommand.released`` are forgotten after their message (their index is
     reused); a table over ``max_ids`` entries is dropped wholesale before a message.
   * ``BatchRow.hot_blocks`` equal to the request's previous row is sent as "same" and decoded as
     the very tuple decoded last time (one flag when every row of the step is unchanged).
+  * TP ranks receive equal commands (rank aside): encoders with equal states share one encoding
+    through a small process-wide memo (``_dump_command``), so the coordinator encodes a step once.
   * ``reset()`` forgets the encoder's state (the next message redefines every id it uses and sends
     every hot buffer in full). The channel calls it when a message was encoded but not delivered.
     A decoder that failed mid-message refuses further messages (``ChannelError``): never a silent
     misread.
 Lossless: ``loads(dumps(m)) == m`` with the same types for every message the binary path accepts
-(exact ``tuple``s of exact wire types, ``str`` request ids, ints within int64); anything else,
-and any other object, falls back to plain pickle (tagged), so equality always holds.
+(exact ``tuple``s of exact wire types, ``str`` request ids, ints within int64; marshal for reports
+refuses anything but exact builtins); anything else, and any other object, falls back to plain
+pickle (tagged), so equality always holds.
 """
-
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import marshal
 import operator
 import struct
 from itertools import chain
@@ -39,8 +44,6 @@ _ALL_HOT_SAME = 1  # flags bit: every batch row's hot_blocks equals its previous
 
 # tag, flags, step, rank, rows, diffs, transfers, backups, released, defs, hot values
 _CMD = struct.Struct("<BBqqIIIIIII")
-# tag, flags, step, rank, enqueued, completed, sampled, hits_by_request, hot_hits, hot_misses, defs
-_REP = struct.Struct("<BBqqIIIIqqI")
 
 # The binary layout below is written for exactly these fields; a wire type whose fields differ
 # (someone added one) is carried by the fallback until this module learns it (a test says so).
@@ -80,6 +83,15 @@ _make_xfer = _fast_constructor(wire.PageTransfer, list(_LAYOUT[wire.PageTransfer
 _make_backup = _fast_constructor(wire.Backup, list(_LAYOUT[wire.Backup]))
 _make_cmd = _fast_constructor(wire.StepCommand, list(_LAYOUT[wire.StepCommand]))
 _make_rep = _fast_constructor(wire.StepReport, list(_LAYOUT[wire.StepReport]))
+_rep_get = operator.attrgetter(*_LAYOUT[wire.StepReport])
+_REPORT_TAG = bytes((TAG_REPORT,))
+
+
+# (max_ids, state token) -> (command, header fields, bytes after the header, state delta, token
+# after): lets the encoders of a TP group encode a step once (see StepCodec._dump_command).
+_MEMO: dict[tuple[int, int], tuple] = {}
+_MEMO_MAX = 256
+_TOKENS = itertools.count(1)
 
 
 class _Unencodable(Exception):
@@ -91,17 +103,6 @@ def _check(items: tuple, cls: type) -> tuple:
     if type(items) is not tuple or (items and set(map(type, items)) != {cls}):
         raise _Unencodable
     return items
-
-
-def _pairs(items: tuple, width: int) -> tuple:
-    """Transpose a tuple of exact ``width``-tuples (sampled, hits_by_request) into columns."""
-    if type(items) is not tuple:
-        raise _Unencodable
-    if not items:
-        return ((),) * width
-    if set(map(type, items)) != {tuple} or set(map(len, items)) != {width}:
-        raise _Unencodable
-    return tuple(zip(*items))
 
 
 def _ints(values: tuple) -> tuple:
@@ -137,6 +138,7 @@ class StepCodec:
         self._ids: dict[str, int] = {}
         self._free: list[int] = []
         self._hot_out: dict[int, tuple] = {}
+        self._token = 0  # names the encoder state; every empty state is token 0
 
     # -- encoding ---------------------------------------------------------------------------------
     def dumps(self, obj: Any) -> bytes:
@@ -150,65 +152,104 @@ class StepCodec:
             self.reset()  # the failed attempt may have defined ids nobody will receive
         return bytes((TAG_FALLBACK,)) + self._fallback.dumps(obj)
 
-    def _intern(self, rids: list) -> tuple[list[int], list[int], list[str]]:
-        """Indices of ``rids``; defines unknown ones (returned: their indices and ids)."""
-        ids = self._ids
-        if len(ids) > self.max_ids:
-            self.reset()
-            ids = self._ids
-        idx = list(map(ids.get, rids))
-        def_idx: list[int] = []
-        def_ids: list[str] = []
+    def _intern(self, groups: tuple) -> tuple[list[int], bool, dict[str, int]]:
+        """Plan (no state change): indices of the ids of ``groups`` (each: a tuple of wire
+        objects, or of ids), whether the table is dropped first, and the ids to define (id ->
+        index: free indices first, most recently freed first)."""
+        ids, free = self._ids, self._free
+        drop = len(ids) > self.max_ids
+        if drop:
+            ids, free = {}, []
+        get = ids.get
+        idx = [*map(get, map(_rid_get, groups[0])), *map(get, map(_rid_get, groups[1])),
+               *map(get, map(_rid_get, groups[2])), *map(get, groups[3])]
+        new: dict[str, int] = {}
         if None in idx:
+            rids = [*map(_rid_get, groups[0]), *map(_rid_get, groups[1]),
+                    *map(_rid_get, groups[2]), *groups[3]]
+            nfree, base = len(free), len(ids)
             for i, got in enumerate(idx):
-                if got is not None:
-                    continue
-                rid = rids[i]
-                got = ids.get(rid)
                 if got is None:
-                    if type(rid) is not str:
-                        raise _Unencodable
-                    got = self._free.pop() if self._free else len(ids)
-                    ids[rid] = got
-                    self._hot_out.pop(got, None)
-                    def_idx.append(got)
-                    def_ids.append(rid)
-                idx[i] = got
-        return idx, def_idx, def_ids
+                    rid = rids[i]
+                    got = new.get(rid)
+                    if got is None:
+                        if type(rid) is not str:
+                            raise _Unencodable
+                        k = len(new)
+                        got = free[nfree - 1 - k] if k < nfree else base + k
+                        new[rid] = got
+                    idx[i] = got
+        return idx, drop, new
+
+    def _apply(self, delta: tuple) -> None:
+        """Advance the encoder state by a planned message (``drop, new, hot updates,
+        released``); the same delta takes an equal state to an equal state."""
+        drop, new, hot_updates, released = delta
+        if drop:
+            self._ids, self._free, self._hot_out = {}, [], {}
+        ids, free, hot_out = self._ids, self._free, self._hot_out
+        if new:
+            ids.update(new)
+            del free[max(0, len(free) - len(new)):]
+            for i in new.values():
+                hot_out.pop(i, None)
+        for i, h in hot_updates:
+            hot_out[i] = h
+        for rid in released:  # forget released ids once their message is sent
+            i = ids.pop(rid, None)
+            if i is not None:
+                free.append(i)
+                hot_out.pop(i, None)
 
     @staticmethod
-    def _defs(def_idx: list[int], def_ids: list[str]) -> bytes:
-        if not def_idx:
+    def _defs(new: dict[str, int]) -> bytes:
+        if not new:
             return b""
-        blobs = [s.encode("utf-8", "surrogatepass") for s in def_ids]
+        blobs = [s.encode("utf-8", "surrogatepass") for s in new]
         n = len(blobs)
-        return struct.pack(f"<{2 * n}I", *def_idx, *map(len, blobs)) + b"".join(blobs)
+        return struct.pack(f"<{2 * n}I", *new.values(), *map(len, blobs)) + b"".join(blobs)
 
     def _dump_command(self, cmd: wire.StepCommand) -> bytes:
         """Layout after the header and defs, int64: row ids, (seq_len, input_token) per row,
         [hot lengths, -1 = same], diff ids, (page, host, device) per diff, (id, device, host) per
         transfer, transfer kinds, backup ids, (id, position, host, offset) per backup, released
-        ids, hot values."""
+        ids, hot values.
+
+        TP ranks get equal commands (rank aside) and their encoders, fed the same stream, hold
+        equal states: the first encodes, the others find (their state token, an equal command)
+        in ``_MEMO`` and only re-pack the header with their rank and replay the state delta."""
+        key = (self.max_ids, self._token)
+        hit = _MEMO.get(key)
+        if hit is not None:
+            prev, head, rest, delta, after = hit
+            if (prev.step == cmd.step and prev.batch == cmd.batch
+                    and prev.table_diffs == cmd.table_diffs and prev.transfers == cmd.transfers
+                    and prev.backups == cmd.backups and prev.released == cmd.released):
+                out = _CMD.pack(TAG_COMMAND, head[0], cmd.step, cmd.rank, *head[1:]) + rest
+                self._apply(delta)
+                self._token = after
+                return out
         batch = _check(cmd.batch, wire.BatchRow)
         diffs = _check(cmd.table_diffs, wire.TableDiff)
         xfers = _check(cmd.transfers, wire.PageTransfer)
         backups = _check(cmd.backups, wire.Backup)
         released = _ints(cmd.released)
         nb, nd, nk = len(batch), len(diffs), len(backups)
-        idx, def_idx, def_ids = self._intern([*map(_rid_get, batch), *map(_rid_get, diffs),
-                                              *map(_rid_get, backups), *released])
+        idx, drop, new = self._intern((batch, diffs, backups, released))
         ridx = idx[:nb]
         # hot buffers: "same as this request's previous row" unless changed
-        hot_out = self._hot_out
+        hot_out = {} if drop else self._hot_out
         hots = list(map(_hot_get, batch))
-        flags, hot_len, hot_vals = 0, (), []
+        flags, hot_len, hot_vals, hot_updates = 0, (), [], []
         cached = list(map(hot_out.get, ridx))
-        if all(map(operator.is_, hots, cached)) or all(map(operator.eq, hots, cached)):
+        if not new and (all(map(operator.is_, hots, cached))
+                        or all(map(operator.eq, hots, cached))):
             flags = _ALL_HOT_SAME
         else:
             hot_len = []
+            seen = dict.fromkeys(new.values())  # index -> hot as of this row (new ids: none)
             for i, h in zip(ridx, hots):
-                c = hot_out.get(i)
+                c = seen[i] if i in seen else hot_out.get(i)
                 if h is c or h == c:
                     hot_len.append(-1)
                 else:
@@ -216,37 +257,32 @@ class StepCodec:
                         raise _Unencodable
                     hot_len.append(len(h))
                     hot_vals += h
-                    hot_out[i] = h
+                    hot_updates.append((i, h))
+                    seen[i] = h
         n = 3 * nb + len(hot_len) + 4 * nd + 4 * len(xfers) + 5 * nk + len(released) + len(hot_vals)
-        body = struct.pack(f"<{n}q", *ridx, *chain.from_iterable(map(_row_ints, batch)), *hot_len,
-                           *idx[nb:nb + nd], *chain.from_iterable(map(_diff_ints, diffs)),
-                           *chain.from_iterable(map(_xfer_ints, xfers)),
-                           *map(_KIND_CODE.__getitem__, map(_kind_get, xfers)),
-                           *idx[nb + nd:nb + nd + nk], *chain.from_iterable(map(_backup_ints, backups)),
-                           *idx[nb + nd + nk:], *hot_vals)
-        head = _CMD.pack(TAG_COMMAND, flags, cmd.step, cmd.rank, nb, nd, len(xfers), nk,
-                         len(released), len(def_idx), len(hot_vals))
-        out = b"".join((head, self._defs(def_idx, def_ids), body))
-        if released:  # forget released ids once their message is encoded
-            ids, free = self._ids, self._free
-            for rid in released:
-                i = ids.pop(rid, None)
-                if i is not None:
-                    free.append(i)
-                    hot_out.pop(i, None)
+        rest = self._defs(new) + struct.pack(
+            f"<{n}q", *ridx, *chain.from_iterable(map(_row_ints, batch)), *hot_len,
+            *idx[nb:nb + nd], *chain.from_iterable(map(_diff_ints, diffs)),
+            *chain.from_iterable(map(_xfer_ints, xfers)),
+            *map(_KIND_CODE.__getitem__, map(_kind_get, xfers)),
+            *idx[nb + nd:nb + nd + nk], *chain.from_iterable(map(_backup_ints, backups)),
+            *idx[nb + nd + nk:], *hot_vals)
+        head = (flags, nb, nd, len(xfers), nk, len(released), len(new), len(hot_vals))
+        out = _CMD.pack(TAG_COMMAND, flags, cmd.step, cmd.rank, *head[1:]) + rest
+        delta = (drop, new, hot_updates, released)
+        self._apply(delta)
+        after = next(_TOKENS)
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.clear()
+        _MEMO[key] = (cmd, head, rest, delta, after)
+        self._token = after
         return out
 
-    def _dump_report(self, rep: wire.StepReport) -> bytes:
-        enq, comp = _ints(rep.enqueued), _ints(rep.completed)
-        s_rid, s_tok = _pairs(rep.sampled, 2)
-        h_rid, h_hit, h_miss = _pairs(rep.hits_by_request, 3)
-        ns, nh = len(s_rid), len(h_rid)
-        idx, def_idx, def_ids = self._intern([*s_rid, *h_rid])
-        n = len(enq) + len(comp) + 2 * ns + 3 * nh
-        body = struct.pack(f"<{n}q", *enq, *comp, *idx[:ns], *s_tok, *idx[ns:], *h_hit, *h_miss)
-        head = _REP.pack(TAG_REPORT, 0, rep.step, rep.rank, len(enq), len(comp), ns, nh,
-                         rep.hot_hits, rep.hot_misses, len(def_idx))
-        return b"".join((head, self._defs(def_idx, def_ids), body))
+    @staticmethod
+    def _dump_report(rep: wire.StepReport) -> bytes:
+        """A report is plain values (ints, str ids, tuples): ``marshal`` (C, exact types or an
+        error) beats any Python-level layout; no state."""
+        return _REPORT_TAG + marshal.dumps(_rep_get(rep))
 
     # -- decoding ---------------------------------------------------------------------------------
     def loads(self, data: bytes) -> Any:
@@ -316,13 +352,6 @@ class StepCodec:
         released = tuple(map(name, v[e:e + nr]))
         return _make_cmd(step, rank, batch, diffs, xfers, backups, released)
 
-    def _load_report(self, data: bytes) -> wire.StepReport:
-        _, _, step, rank, ne, nc, ns, nh, hits, misses, ndef = _REP.unpack_from(data, 0)
-        off = self._load_defs(data, _REP.size, ndef)
-        v = struct.unpack_from(f"<{ne + nc + 2 * ns + 3 * nh}q", data, off)
-        name = self._names.__getitem__
-        p = ne + nc
-        sampled = tuple(zip(map(name, v[p:p + ns]), v[p + ns:p + 2 * ns]))
-        p += 2 * ns
-        per_req = tuple(zip(map(name, v[p:p + nh]), v[p + nh:p + 2 * nh], v[p + 2 * nh:p + 3 * nh]))
-        return _make_rep(step, rank, v[:ne], v[ne:ne + nc], sampled, hits, misses, per_req)
+    @staticmethod
+    def _load_report(data: bytes) -> wire.StepReport:
+        return _make_rep(*marshal.loads(memoryview(data)[1:]))

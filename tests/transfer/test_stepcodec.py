@@ -85,15 +85,20 @@ def test_stateful_sequences(data):
     hots = data.draw(st.lists(st.lists(small, max_size=4).map(tuple), min_size=1, max_size=3))
     ids = st.sampled_from(pool)
     hot = st.sampled_from(hots) | st.sampled_from(hots).map(lambda h: tuple(list(h)))
-    enc, dec = StepCodec(max_ids=data.draw(st.sampled_from([1, 3, 8192]))), StepCodec()
+    max_ids = data.draw(st.sampled_from([1, 3, 8192]))
+    # a TP group: each rank's channel gets the same stream (its own rank), so the encoders share
+    # encodings through the memo; each may also lose a message on its own
+    ranks = [(StepCodec(max_ids), StepCodec()) for _ in range(data.draw(st.integers(1, 3)))]
     for _ in range(data.draw(st.integers(1, 15))):
         msg = data.draw(commands(ids, hot) | reports(ids))
-        payload = enc.dumps(msg)
-        if data.draw(st.integers(0, 9)) == 0:
-            enc.reset()  # encoded, not delivered
-            continue
-        assert payload[0] != TAG_FALLBACK
-        assert _same(dec.loads(payload), msg)
+        for r, (enc, dec) in enumerate(ranks):
+            mine = dataclasses.replace(msg, rank=T.Rank(r))
+            payload = enc.dumps(mine)
+            if data.draw(st.integers(0, 9)) == 0:
+                enc.reset()  # encoded, not delivered
+                continue
+            assert payload[0] != TAG_FALLBACK
+            assert _same(dec.loads(payload), mine)
 
 
 def test_unchanged_hot_buffers_are_not_resent():
@@ -109,6 +114,19 @@ def test_unchanged_hot_buffers_are_not_resent():
     assert b.batch[5].hot_blocks is a.batch[5].hot_blocks  # the decoder hands back its tuple
 
 
+def test_tp_group_encodes_a_step_once():
+    """Equal commands (rank aside) from equal encoder states: one encoding, rank re-packed."""
+    group = [StepCodec() for _ in range(3)]
+    rows = tuple(T.BatchRow(T.RequestId(f"r{i}"), 9, 1, (i, i + 1)) for i in range(8))
+    for step in range(3):
+        payloads = [e.dumps(T.StepCommand(step, T.Rank(r), rows)) for r, e in enumerate(group)]
+        assert len({p[:10] + p[18:] for p in payloads}) == 1  # only the rank field differs
+        assert len({e._token for e in group}) == 1 and group[0]._token != 0
+    group[1].reset()  # rank 1 lost a message: it encodes on its own from now on
+    cmd = T.StepCommand(3, T.Rank(1), rows)
+    assert _same(StepCodec().loads(group[1].dumps(cmd)), cmd)
+
+
 def test_released_ids_are_forgotten_and_indices_reused():
     enc, dec = StepCodec(), StepCodec()
     r = lambda s: T.BatchRow(T.RequestId(s), 1, 2, (3,))  # noqa: E731
@@ -120,14 +138,23 @@ def test_released_ids_are_forgotten_and_indices_reused():
     assert sorted(enc._ids.values()) == [0, 1, 2] and len(enc._ids) == 3
 
 
+class Tok(int):
+    """An int subclass: equal to its value, but the binary layout would decode a plain int."""
+
+    def __eq__(self, other):
+        return type(other) is Tok and int(self) == int(other)
+
+    __hash__ = int.__hash__
+
+
 @pytest.mark.parametrize("msg", [
     T.StepCommand(1, T.Rank(0), [T.BatchRow(T.RequestId("r"), 1, 2)]),  # a list, not a tuple
     T.StepCommand(1, T.Rank(0), (T.BatchRow(5, 1, 2),)),  # non-str request id
     T.StepCommand(1, T.Rank(0), (T.BatchRow(T.RequestId("r"), 2**64, 2),)),  # beyond int64
     T.StepCommand(1, T.Rank(0), (T.BatchRow(T.RequestId("r"), 1, 2, [4, 5]),)),  # list hot
     T.StepCommand(1, T.Rank(0), (T.BatchRow(T.RequestId("r"), 1.5, 2),)),  # float
-    T.StepReport(1, T.Rank(0), sampled=(("r", 1, 2),)),  # wrong arity
-    T.StepReport(1, T.Rank(0), enqueued=[1, 2]),
+    T.StepReport(1, T.Rank(0), sampled=((T.RequestId("r"), Tok(1)),)),  # an int subclass
+    T.StepReport(1, T.Rank(0), enqueued=(T.TransferKind.SPILL,)),  # not a builtin
     T.TableDiff(T.RequestId("r"), 1, 2, -1),  # not a top-level message
     {"any": ("picklable", b"object")},
 ])
@@ -142,6 +169,17 @@ def test_values_the_layout_cannot_carry_ride_the_fallback(msg):
     # the stream goes on exactly after a fallback (the encoder restarted its tables)
     nxt = T.StepCommand(2, T.Rank(0), (T.BatchRow(T.RequestId("r"), 3, 4, (9,)),))
     assert _same(dec.loads(enc.dumps(nxt)), nxt)
+
+
+def test_reports_of_any_shape_are_exact():
+    """Reports are marshalled: odd shapes (lists, wrong arity, bools) come back exactly."""
+    enc, dec = StepCodec(), StepCodec()
+    for rep in [T.StepReport(1, T.Rank(0), sampled=(("r", 1, 2),)),
+                T.StepReport(1, T.Rank(0), enqueued=[1, 2], hot_hits=True),
+                T.StepReport(1, T.Rank(0), hits_by_request=(("r", 2**70, -1),))]:
+        data = enc.dumps(rep)
+        assert data[0] == TAG_REPORT
+        assert _same(dec.loads(data), rep)
 
 
 def test_failed_decode_refuses_later_messages():
