@@ -16,7 +16,9 @@ import ray
 import torch
 
 from hisparse_ray.actors import tp
-from hisparse_ray.actors.landing import RankEndpoint, copy_runs, page_positions, unstage_runs
+from hisparse_ray.actors.landing import (
+    RankEndpoint, RankLandingStep, copy_runs, unstage_runs,
+)
 from hisparse_ray.actors.spec import ReplicaSpec
 from hisparse_ray.channel import ChannelPair, ChannelSpec
 from hisparse_ray.errors import (
@@ -52,6 +54,10 @@ class DecodeWorker:
         self.pool: HostPool | None = None
         self.executor: Any = None  # hisparse_ray.worker.HiSparseWorker, after build()
         self.staging: list[torch.Tensor] = []
+        self.key_staging: torch.Tensor | None = None  # [L, staging rows, key_row_bytes] uint8
+        # requests whose landing failed: their waits stop (ids are never reused by a coordinator;
+        # the set grows by one per failed landing)
+        self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._notif_lock = threading.Lock()
         self._notifs: set[bytes] = set()
@@ -129,10 +135,20 @@ class DecodeWorker:
                                             dtype=torch.uint8, device=self.spec.device)
                                 for _ in range(self.spec.layout.num_layers)]
                 staging = [self.engine.register(f"stage.{l}", t) for l, t in enumerate(self.staging)]
+        keys: list = []
+        if self.spec.staging_blocks:  # every rank: the indexer keys are replicated
+            mcfg = model.cfg
+            key_row_bytes = mcfg.index_head_dim * torch.empty((), dtype=model.dtype).element_size()
+            self.key_staging = torch.zeros(mcfg.num_hidden_layers,
+                                           self.spec.staging_blocks * self.spec.page_size,
+                                           key_row_bytes, dtype=torch.uint8,
+                                           device=self.spec.device)
+            keys = [self.engine.register(f"keys.{l}", self.key_staging[l])
+                    for l in range(mcfg.num_hidden_layers)]
         self._endpoint = RankEndpoint(
             self.rank, self.engine.name, self.engine.agent_metadata(),
             ray.get_runtime_context().get_node_id(), tuple(host), tuple(dev), tuple(staging),
-            self.spec.staging_blocks if self.rank == 0 else 0)
+            self.spec.staging_blocks if self.rank == 0 else 0, tuple(keys))
         return self._endpoint
 
     def endpoint(self) -> RankEndpoint:
@@ -145,10 +161,12 @@ class DecodeWorker:
         return self.engine.add_peer(metadata)
 
     # -- landing ------------------------------------------------------------------------------------
-    def wait_notification(self, notif: bytes, timeout_s: float) -> None:
+    def wait_notification(self, notif: bytes, timeout_s: float,
+                          request_id: str | None = None) -> None:
         """Block until the landing WRITE tagged ``notif`` was announced to this rank's agent
-        (``TransferTimeoutError`` after ``timeout_s``). Notifications that other landings wait for
-        are kept; a duplicate (a retried WRITE) is harmless: tags are unique per request."""
+        (``TransferTimeoutError`` after ``timeout_s``; ``StateError`` as soon as ``request_id``'s
+        landing was dropped). Notifications that other landings wait for are kept; a duplicate
+        (a retried WRITE) is harmless: tags are unique per request."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._notif_lock:
@@ -156,30 +174,12 @@ class DecodeWorker:
                 if notif in self._notifs:
                     self._notifs.discard(notif)
                     return
+                if request_id is not None and request_id in self._cancelled:
+                    raise StateError(f"landing of {request_id!r} was dropped on rank {self.rank}")
             if time.monotonic() >= deadline:
                 raise TransferTimeoutError(f"no landing notification {notif!r} on rank "
                                            f"{self.rank} after {timeout_s} s")
             time.sleep(1e-3)
-
-    def unstage(self, pairs: list[tuple[int, int]], num_positions: int,
-                pages: list[int]) -> float:
-        """Rank 0: copy staging blocks into host blocks, ``pairs[i] = (staging block, host
-        block)`` for request page ``pages[i]`` (rows clipped to ``num_positions``); returns the
-        copy's seconds."""
-        P = self.spec.page_size
-        t0 = time.perf_counter()
-        with self._lock:
-            self.pool.begin_write()
-            try:
-                for (sb, hb), page in zip(pairs, pages):
-                    _, n = page_positions(page, P, num_positions)
-                    for l, stage in enumerate(self.staging):
-                        self.pool.layer(l)[hb * P: hb * P + n].copy_(stage[sb * P: sb * P + n])
-                if self.staging and self.staging[0].is_cuda:
-                    torch.cuda.synchronize()
-            finally:
-                self.pool.publish()
-        return time.perf_counter() - t0
 
     def unstage_run(self, first_staging_block: int, host_blocks: list[int], pages: list[int],
                     num_positions: int) -> float:
@@ -198,35 +198,46 @@ class DecodeWorker:
                 self.pool.publish()
         return time.perf_counter() - t0
 
-    def complete_landing(self, notif: bytes | None, timeout_s: float,
-                         unstage: tuple | None = None, request_id: str | None = None,
-                         index_keys: Any = None, capacity: int = 0,
-                         host_written: bool = False) -> float:
-        """The decode side of one landing step in ONE Ray call: wait for ``notif`` (None: no
-        wait), then ``unstage_run(*unstage)`` (None: nothing staged), then, with a
-        ``request_id``, ``install_landing(request_id, index_keys, capacity, host_written)``.
-        Returns the unstage copy's seconds (0.0 without one)."""
-        if notif is not None:
-            self.wait_notification(notif, timeout_s)
-        seconds = self.unstage_run(*unstage) if unstage is not None else 0.0
-        if request_id is not None:
-            self.install_landing(request_id, index_keys, capacity, host_written)
-        return seconds
-
-    def install_landing(self, request_id: str, index_keys: Any, capacity: int,
-                        host_written: bool) -> None:
-        """The request's KV has landed: install its indexer keys (numpy ``[L, T, d]`` or None
-        when T = 0; room for ``capacity`` positions) and, on rank 0 after a direct host write,
-        publish the host pool so peers see the pages."""
+    def complete_landing(self, step: RankLandingStep, index_keys: Any = None) -> float:
+        """The decode side of one landing chunk in ONE Ray call (see :class:`RankLandingStep`):
+        notification wait, staging -> host copy, key copy, and on the last chunk the key cache's
+        length. ``index_keys``: the whole prompt's keys as numpy ``[L, T, d]`` (the fallback for a
+        replica without key staging; they travel through Ray's object store). Calls of different chunks may run at once (the lander pipelines chunks); each
+        copy runs under the executor lock, so never inside a decode step. Returns the seconds of
+        the staging -> host copy (0.0 without one)."""
+        rid = step.request_id
+        if step.notif is not None:
+            self.wait_notification(step.notif, step.timeout_s, rid)
+        seconds = 0.0
+        if step.unstage is not None:
+            first, host_blocks, pages = step.unstage
+            seconds = self.unstage_run(first, list(host_blocks), list(pages), step.num_positions)
         keys = None if index_keys is None else torch.from_numpy(index_keys.copy())
         with self._lock:
-            if host_written and self.rank == 0:
+            if rid in self._cancelled:
+                raise StateError(f"landing of {rid!r} was dropped on rank {self.rank}")
+            if step.host_written and self.rank == 0:
                 self.pool.begin_write()
                 self.pool.publish()
-            self.executor.install_index_keys(request_id, keys, capacity)
+            index = self.executor.index
+            if rid not in index or keys is not None:
+                self.executor.install_index_keys(rid, keys, step.capacity)
+            if step.keys is not None:
+                lo, row, n = step.keys
+                cache = index[rid]
+                cache.keys[:, lo:lo + n] = self.key_staging[:, row:row + n].view(
+                    cache.keys.dtype).view(cache.keys.shape[0], n, cache.keys.shape[2])
+            if step.last:
+                index[rid].length = step.num_positions
+            if self.key_staging is not None and self.key_staging.is_cuda and step.keys:
+                torch.cuda.current_stream().synchronize()  # the lander re-leases the rows next
+        return seconds
 
     def drop_landing(self, request_id: str) -> None:
-        """Forget a landing that failed (its keys may have reached some ranks)."""
+        """Forget a landing that failed (its keys may have reached some ranks): running and later
+        ``complete_landing`` calls of it fail fast instead of waiting for their notifications."""
+        with self._notif_lock:
+            self._cancelled.add(request_id)
         with self._lock:
             self.executor.index.pop(request_id, None)
 

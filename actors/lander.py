@@ -2,18 +2,32 @@
 admitted requests in FIFO order through prefill -> NIXL WRITE (direct or via the staging pool) ->
 notification on the decode ranks -> index keys installed -> ``apply_landed``.
 
-Ray round trips per landing after prefill: one ``push`` per step (the last one also frees the
-prefill worker's send buffer) and one ``complete_landing`` per rank per step (notification wait,
-staging -> host copy, key install in one call): 2 sequential round trips for a direct or resident
-landing, 2 per staging chunk for a staged one (was 4, and 3 per chunk + 2).
+A landing is a sequence of chunks of the request's pages (one chunk when the staging pool holds the
+whole prompt, else chunks of half the pool). Per chunk the lander leases a contiguous staging run,
+then issues at once ONE ``push`` to the prefill worker (one WRITE per rank: the KV pages, plus the
+chunk's indexer keys into every rank's key staging rows) and ONE ``complete_landing`` per rank
+(notification wait, staging -> host copy, key copy): the decode side waits for the WRITE's
+notification, so the two calls overlap instead of following each other. Up to two chunks are in
+flight: chunk i+1 is written while rank 0 copies chunk i into the host pool. So a landing costs
+about one Ray round trip plus its data movement (was 2 sequential round trips per chunk).
+
+The indexer keys travel by NIXL into the ranks' key staging rows (indexed like the staging pool's
+blocks, so the same lease covers them); a replica without a staging pool falls back to shipping
+them through Ray's object store.
+
+Never deadlocks: while a lander holds a chunk in flight it only TRIES to lease the next run and
+finishes its oldest chunk when that fails; it blocks on the pool only with nothing in flight.
 
 Any failure (``TransferError`` / ``TransferTimeoutError`` after the prefill worker's retries, a
 missing notification, a dead prefill worker) ends the request with that typed error and releases
-every lease it held (the coordinator calls the core's ``apply_landing_failed``).
+every lease it held (the coordinator calls the core's ``apply_landing_failed``); in-flight chunk
+calls are cancelled on the ranks (``drop_landing``) and awaited before their staging runs return
+to the pool.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -22,13 +36,14 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from hisparse_ray.actors.landing import (
-    LandingDest, LandingOrder, StagingPool, chunks, page_positions,
+    LandingDest, LandingOrder, RankLandingStep, StagingPool, chunks, page_positions,
 )
 from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutError
 from hisparse_ray.types import Admission, LandingTarget
 
 PREFILL_TIMEOUT_S = 600.0  # one prompt through the prefill model
 CALL_TIMEOUT_S = 120.0  # any other Ray call of a landing (beyond its own transfer deadlines)
+IN_FLIGHT = 2  # landing chunks in flight per lander (write chunk i+1 while chunk i is copied)
 
 if TYPE_CHECKING:
     from hisparse_ray.actors.coordinator import Coordinator
@@ -92,90 +107,156 @@ class Lander:
     # -- one request -------------------------------------------------------------------------------
     def land(self, adm: Admission, prompt: list[int]) -> tuple[int, float, float, str]:
         """Prefill, push and install one admission; returns (bytes moved, seconds end to end
-        after prefill, seconds of data movement only (NIXL WRITEs + staging copies), path)."""
-        spec, ranks, eps = self.coord.spec, self.coord.ranks, self.coord.endpoints
+        after prefill, seconds of data movement (sum over chunks of the NIXL WRITEs and the
+        staging copies; chunks overlap, so this may exceed the end-to-end time), path)."""
+        spec, eps = self.coord.spec, self.coord.endpoints
         rid, P, T = adm.request_id, spec.page_size, adm.num_positions
-        todo = [(p.page, p.host_block if adm.target is LandingTarget.HOST else p.device_block)
-                for p in adm.pages if not p.reused and page_positions(p.page, P, T)[1] > 0]
-        result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T])),
+        host = adm.target is LandingTarget.HOST
+        path = "resident" if not host else self.path
+        block = {p.page: (p.host_block if host else p.device_block)
+                 for p in adm.pages if not p.reused and page_positions(p.page, P, T)[1] > 0}
+        keys_nixl = bool(eps[0].key_layers) and self.staging is not None
+        staged = path == "staged" or keys_nixl  # chunks lease staging runs
+        result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T]), not keys_nixl),
                          timeout=PREFILL_TIMEOUT_S)
         t0 = time.perf_counter()
-        moved, self._data_s = 0, 0.0
-        timeout = spec.landing_timeout_s * spec.landing_attempts
-        keys = ray.put(result.index_keys)
-        install = dict(request_id=rid, index_keys=keys,
-                       capacity=len(prompt) + self.coord.records[rid].max_new_tokens + 1)
-        # per step: one push call (the prefill worker WRITEs, waits for DONE; the last push also
-        # frees its send buffer), then ONE call per rank that waits for the notification,
-        # unstages and (last step) installs the keys
-        if adm.target is LandingTarget.RESIDENT:
-            path = "resident"
-            dests = tuple(LandingDest(ep.rank, ep.device_layers, tuple(todo), _notif(rid, ep.rank, 0))
-                          for ep in eps)
-            if todo:
-                moved = self._push(rid, dests, last=True)
-            self._complete([r.complete_landing.remote(d.notif if todo else None, timeout,
-                                                      host_written=False, **install)
-                            for r, d in zip(ranks, dests)], timeout)
-        elif self.path == "direct":
-            path = "direct"
-            dest = LandingDest(0, eps[0].host_layers, tuple(todo), _notif(rid, 0, 0))
-            if todo:
-                moved = self._push(rid, (dest,), last=True)
-            self._complete(
-                [ranks[0].complete_landing.remote(dest.notif if todo else None, timeout,
-                                                  host_written=bool(todo), **install)]
-                + [r.complete_landing.remote(None, timeout, host_written=False, **install)
-                   for r in ranks[1:]], timeout)
+        self._moved, self._data_s = 0, 0.0
+        capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
+        pages = [p for p in range(-(-T // P))] if keys_nixl else sorted(block)
+        if staged and pages:
+            size = self.staging.capacity if len(pages) <= self.staging.capacity \
+                else max(1, self.staging.capacity // IN_FLIGHT)
+            parts = chunks(pages, size)
         else:
-            path = "staged"
-            parts = chunks(todo, self.staging.capacity)
-            for i, chunk in enumerate(parts):
-                last = i == len(parts) - 1
-                blocks = self.staging.acquire_run(len(chunk))  # contiguous: 1 descriptor / layer
-                try:
-                    dest = LandingDest(0, eps[0].staging_layers,
-                                       tuple((page, sb) for (page, _), sb in zip(chunk, blocks)),
-                                       _notif(rid, 0, i))
-                    moved += self._push(rid, (dest,), last=last)
-                    unstage = (blocks[0], [hb for _, hb in chunk], [page for page, _ in chunk], T)
-                    refs = [ranks[0].complete_landing.remote(
-                        dest.notif, timeout, unstage, host_written=False,
-                        **(install if last else {}))]
-                    if last:
-                        refs += [r.complete_landing.remote(None, timeout, host_written=False,
-                                                           **install) for r in ranks[1:]]
-                    self._complete(refs, timeout)
-                finally:
-                    self.staging.release(blocks)
-            if not parts:
-                self._complete([r.complete_landing.remote(None, timeout, host_written=False,
-                                                          **install) for r in ranks], timeout)
-        if not todo:  # nothing pushed, so no push freed the send buffer: no need to wait
-            self.prefill.drop.remote(rid)
-        return moved, time.perf_counter() - t0, self._data_s, path
-
-    def _complete(self, refs: list, timeout: float) -> None:
-        """Wait for ranks' ``complete_landing`` calls; their unstage seconds count as data path.
-        On a failure, first let the other calls finish (bounded): an index-key install must not
-        land on a rank after the failure cleanup dropped the request there."""
+            parts = [tuple(pages)]
+        inflight: collections.deque = collections.deque()
         try:
-            self._data_s += sum(ray.get(refs, timeout=timeout + CALL_TIMEOUT_S))
-        except Exception:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout + CALL_TIMEOUT_S)
+            for i, part in enumerate(parts):
+                blocks = self._lease(len(part), inflight) if staged and part else ()
+                try:
+                    refs = self._issue(adm, path, block, part, blocks, i, i == len(parts) - 1,
+                                       capacity, None if keys_nixl else result.index_keys)
+                except BaseException:
+                    if blocks:
+                        self.staging.release(blocks)
+                    raise
+                inflight.append((refs, blocks))
+                while len(inflight) >= IN_FLIGHT + (0 if staged else 1):
+                    self._finish(inflight.popleft())
+            while inflight:
+                self._finish(inflight.popleft())
+        except BaseException:
+            self._abandon(rid, inflight)
             raise
+        self.prefill.drop.remote(rid)  # no need to wait: a later prefill replaces it anyway
+        return self._moved, time.perf_counter() - t0, self._data_s, path
 
-    def _push(self, rid: str, dests: tuple[LandingDest, ...], *, last: bool) -> int:
-        spec = self.coord.spec
-        order = LandingOrder(rid, dests, attempts=spec.landing_attempts,
-                             timeout_s=spec.landing_timeout_s)
-        # the worker gives up (and cancels its WRITE) after attempts x timeout; the Ray deadline
-        # is later, so a request's blocks are never released under a live WRITE
-        moved, seconds = ray.get(
-            self.prefill.push.remote(order, spec.page_size, drop_after=last),
-            timeout=spec.landing_attempts * spec.landing_timeout_s + CALL_TIMEOUT_S)
-        self._data_s += seconds
-        return moved
+    def _issue(self, adm: Admission, path: str, block: dict[int, int], part: tuple,
+               blocks: tuple, i: int, last: bool, capacity: int, index_keys) -> list:
+        """Start chunk ``i``: pages ``part`` (``block[page]``: the target block of each page to
+        push; pages missing from it are reused and get only their keys), staging run ``blocks``
+        (page ``part[j]`` -> ``blocks[j]``) or (). Issues one push (if anything is written) and
+        one ``complete_landing`` per rank, all at once. Returns [push ref or None, rank refs]."""
+        spec, ranks, eps = self.coord.spec, self.coord.ranks, self.coord.endpoints
+        rid, P, T = adm.request_id, spec.page_size, adm.num_positions
+        slot = {page: blocks[j] for j, page in enumerate(part)} if blocks else {}
+        timeout = spec.landing_timeout_s * spec.landing_attempts
+        kv = [(page, block[page]) for page in part if page in block]
+        keys = None
+        if blocks and eps[0].key_layers:  # this chunk's positions, all pages (reused ones too)
+            lo = part[0] * P
+            keys = (lo, blocks[0] * P, min(T, (part[-1] + 1) * P) - lo)
+        dests, steps = [], []
+        for ep in eps:
+            r = ep.rank
+            if path == "resident":
+                pages_r, layers = tuple(kv), ep.device_layers
+            elif r == 0 and path == "direct":
+                pages_r, layers = tuple(kv), ep.host_layers
+            elif r == 0:  # staged: page j of the chunk into staging block blocks[j]
+                pages_r = tuple((page, slot[page]) for page, _ in kv)
+                layers = ep.staging_layers
+            else:
+                pages_r, layers = (), ()
+            notif = None
+            if pages_r or keys is not None:
+                notif = _notif(rid, r, i)
+                dests.append(LandingDest(r, layers if pages_r else (), pages_r, notif,
+                                         ep.key_layers if keys else (), keys))
+            unstage = None
+            if r == 0 and path == "staged" and kv:
+                # the pushed pages are the chunk's pages after its reused prefix: consecutive
+                # staging blocks (unstage_run's contract)
+                first = slot[kv[0][0]]
+                assert [slot[page] for page, _ in kv] == list(range(first, first + len(kv)))
+                unstage = (first, tuple(hb for _, hb in kv), tuple(page for page, _ in kv))
+            steps.append(RankLandingStep(
+                rid, T, capacity, timeout, notif, unstage,
+                host_written=r == 0 and path == "direct" and bool(kv), keys=keys, last=last))
+        refs: list = [None]
+        if dests:
+            order = LandingOrder(rid, tuple(dests), attempts=spec.landing_attempts,
+                                 timeout_s=spec.landing_timeout_s)
+            # the worker gives up (and cancels its WRITE) after attempts x timeout; the Ray
+            # deadline is later, so a request's blocks are never released under a live WRITE
+            # (no drop_after: pushes of one request may run out of order on the worker's
+            # threads; the lander drops the send buffer once every chunk is done)
+            refs[0] = self.prefill.push.remote(order, P)
+        # fallback without key staging: one object-store copy serves every rank (a top-level
+        # argument, so Ray resolves it on the rank)
+        keys_ref = ray.put(index_keys) if index_keys is not None and i == 0 else None
+        for r, step in zip(ranks, steps):
+            refs.append(r.complete_landing.remote(step, keys_ref))
+        return refs
+
+    def _lease(self, n: int, inflight: collections.deque) -> tuple[int, ...]:
+        """A contiguous staging run of ``n`` blocks. With chunks in flight only TRY (finishing
+        the oldest chunk when the pool has no run), so a lander never waits on the pool while it
+        holds blocks that only it can release."""
+        while inflight:
+            try:
+                return self.staging.acquire_run(n, timeout=0)
+            except TimeoutError:
+                self._finish(inflight.popleft())
+        return self.staging.acquire_run(n)
+
+    def _finish(self, item) -> None:
+        """Wait for one chunk's calls, account its bytes and seconds, release its staging run.
+        On a failure, first let the chunk's other calls finish (bounded): a key install must not
+        land on a rank after the cleanup dropped the request there, and no staging block returns
+        to the pool under a live WRITE or copy."""
+        refs, blocks = item
+        live = [r for r in refs if r is not None]
+        deadline = self.coord.spec.landing_attempts * self.coord.spec.landing_timeout_s \
+            + CALL_TIMEOUT_S
+        try:
+            out = ray.get(live, timeout=deadline)
+        except Exception:
+            ray.wait(live, num_returns=len(live), timeout=deadline)
+            if blocks:
+                self.staging.release(blocks)
+            raise
+        if blocks:
+            self.staging.release(blocks)
+        if refs[0] is not None:
+            moved, seconds = out[0]
+            self._moved += moved
+            self._data_s += seconds
+            out = out[1:]
+        self._data_s += sum(out)
+
+    def _abandon(self, rid: str, inflight: collections.deque) -> None:
+        """A chunk failed: cancel the request's waits on the ranks, then wait out (bounded) every
+        other chunk in flight and return its staging run."""
+        try:
+            ray.get([r.drop_landing.remote(rid) for r in self.coord.ranks], timeout=30)
+        except Exception:
+            pass
+        while inflight:
+            try:
+                self._finish(inflight.popleft())
+            except Exception:
+                pass
 
 
 def _notif(rid: str, rank: int, chunk: int) -> bytes:

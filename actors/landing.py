@@ -45,6 +45,10 @@ class RankEndpoint:
     device_layers: tuple[RegionDesc, ...]
     staging_layers: tuple[RegionDesc, ...]
     staging_blocks: int
+    # every rank (when the replica has a staging pool): indexer-key landing rows, one region per
+    # layer of ``staging_blocks * page_size`` rows of ``key_row_bytes``, indexed like the staging
+    # pool's blocks (the lander's staging lease covers them on every rank)
+    key_layers: tuple[RegionDesc, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,36 @@ class LandingDest:
     layers: tuple[RegionDesc, ...]
     pages: tuple[tuple[int, int], ...]
     notif: bytes
+    # indexer keys of positions ``[lo, lo + n)`` into rows ``[row, row + n)`` of every layer's
+    # ``key_layers`` region: ``key_rows = (lo, row, n)``; None: no keys in this WRITE
+    key_layers: tuple[RegionDesc, ...] = ()
+    key_rows: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankLandingStep:
+    """What one decode rank does for one landing chunk, in one Ray call
+    (``DecodeWorker.complete_landing``), in this order:
+
+    1. wait for the WRITE notification ``notif`` (None: nothing was written to this rank);
+    2. rank 0, staged path: ``unstage = (first staging block, host blocks, pages)``: copy the
+       chunk's pages from the staging run into host blocks; ``host_written``: a direct WRITE
+       went into host blocks (publish them to the peers);
+    3. ``keys = (lo, row, n)``: copy indexer keys of positions ``[lo, lo + n)`` from key
+       staging rows ``[row, row + n)`` into the request's key cache (created on first use with
+       room for ``capacity`` positions);
+    4. ``last``: the request's key cache holds ``num_positions`` keys (it may decode once every
+       rank finished its steps)."""
+
+    request_id: str
+    num_positions: int
+    capacity: int
+    timeout_s: float
+    notif: bytes | None = None
+    unstage: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
+    host_written: bool = False
+    keys: tuple[int, int, int] | None = None
+    last: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +106,10 @@ class LandingOrder:
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
-    """What prefill returns besides the pushed KV: the indexer keys (model-owned, dense, replicated
-    over ranks; they travel through Ray's object store) and timings. index_keys: numpy
-    ``[L, T, index_head_dim]`` of the model dtype (as float32 on the wire for bf16 models)."""
+    """What prefill returns besides the pushed KV: timings and, only when asked (``keys_inline``:
+    replicas without key staging), the indexer keys (model-owned, dense, replicated over ranks)
+    as numpy ``[L, T, index_head_dim]`` (float32 on the wire for bf16 models); otherwise None
+    and the keys travel by NIXL with the KV (``LandingDest.key_rows``)."""
 
     request_id: str
     num_positions: int
@@ -89,16 +124,31 @@ def page_positions(page: int, page_size: int, num_positions: int) -> tuple[int, 
 
 
 def write_segments(dest: LandingDest, local: str, local_layer_stride: int, row_bytes: int,
-                   page_size: int, num_positions: int) -> list[WriteSegment]:
+                   page_size: int, num_positions: int, *, key_local: str = "",
+                   key_layer_stride: int = 0, key_row_bytes: int = 0) -> list[WriteSegment]:
     """Segments moving ``dest``'s pages from a local send buffer laid out ``[L, max_T, row_bytes]``
     (``local_layer_stride`` bytes per layer) into ``dest``'s per-layer regions (row ``block *
     page_size + offset``). Pages without positions are skipped. Consecutive pages landing in
     consecutive blocks become one segment (per layer), so a chunk of pages into a contiguous
-    block run is one descriptor per layer."""
+    block run is one descriptor per layer.
+
+    With ``dest.key_rows``, also the indexer keys: from local ``key_local`` laid out ``[L, max_T,
+    key_row_bytes]`` (``key_layer_stride`` bytes per layer) into ``dest.key_layers`` (row
+    ``row + r`` of each layer's region): one descriptor per layer."""
     runs = page_runs(dest.pages, page_size, num_positions)
-    return [WriteSegment(local=local, local_offset=layer * local_layer_stride + lo * row_bytes,
+    segs = [WriteSegment(local=local, local_offset=layer * local_layer_stride + lo * row_bytes,
                          nbytes=n * row_bytes, remote=region, remote_offset=row * row_bytes)
             for layer, region in enumerate(dest.layers) for lo, row, n in runs]
+    if dest.key_rows is not None and dest.key_rows[2] > 0:
+        if not dest.key_layers or not key_local or key_row_bytes <= 0:
+            raise StateError("a landing WRITE names key rows but no key regions")
+        lo, row, n = dest.key_rows
+        segs += [WriteSegment(local=key_local,
+                              local_offset=layer * key_layer_stride + lo * key_row_bytes,
+                              nbytes=n * key_row_bytes, remote=region,
+                              remote_offset=row * key_row_bytes)
+                 for layer, region in enumerate(dest.key_layers)]
+    return segs
 
 
 def page_runs(pages: Sequence[tuple[int, int]], page_size: int, num_positions: int

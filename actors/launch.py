@@ -31,10 +31,11 @@ from hisparse_ray.actors.spec import PrefillSpec, ReplicaSpec
 # Coordinator: method calls (submit, wait, metrics) run on a thread pool beside its step thread.
 COORDINATOR_CPUS = 0.25
 COORDINATOR_CONCURRENCY = 8
-# DecodeWorker: lifecycle and landing calls beside the rank's step thread.
-DECODE_WORKER_CONCURRENCY = 4
-# PrefillWorker: one prefill at a time plus metadata / stats calls.
-PREFILL_CONCURRENCY = 2
+# DecodeWorker: lifecycle and landing calls beside the rank's step thread (each lander keeps up to
+# two complete_landing calls waiting per rank, so room for a few landers plus stats calls).
+DECODE_WORKER_CONCURRENCY = 8
+# PrefillWorker: one prefill at a time, two pushes of a pipelined landing, metadata / stats calls.
+PREFILL_CONCURRENCY = 4
 PLACEMENT_TIMEOUT_S = 120.0
 
 _pg_ids = itertools.count()

@@ -12,17 +12,21 @@ import torch
 
 from hisparse_ray.actors.landing import LandingOrder, PrefillResult, write_segments
 from hisparse_ray.actors.spec import PrefillSpec
-from hisparse_ray.errors import CapacityError, StateError
-from hisparse_ray.transfer import MemKind, NixlTransferEngine, TransferEngine, write_with_retry
+from hisparse_ray.errors import CapacityError, StateError, TransferError, TransferTimeoutError
+from hisparse_ray.transfer import (
+    MemKind, NixlTransferEngine, TransferEngine, WriteSegment, wait, write_with_retry,
+)
 
 SEND_REGION = "send"
+KEYS_REGION = "send.keys"
 
 
 class PrefillWorker:
     """One prefill process with one NIXL agent.
 
-    Send buffer: ``[L, max_prompt_tokens, row_bytes]`` uint8 on the worker's device, registered once.
-    It holds one prefilled request at a time: ``prefill(rid, tokens)`` fills it, ``push(order)`` (one
+    Send buffers: ``[L, max_prompt_tokens, row_bytes]`` uint8 (KV rows) and ``[L, max_prompt_tokens,
+    key_row_bytes]`` uint8 (indexer keys, model dtype) on the worker's device, registered once.
+    They hold one prefilled request at a time: ``prefill(rid, tokens)`` fills it, ``push(order)`` (one
     or more times, e.g. chunk by chunk through a staging pool) WRITEs pages of it, ``drop(rid)`` frees
     it. Lifecycle: construct -> ``endpoint()`` to decode ranks -> ``add_peer`` theirs -> prefills ->
     ``shutdown``.
@@ -37,12 +41,17 @@ class PrefillWorker:
         itemsize = torch.empty((), dtype=self.model.dtype).element_size()
         self.row_bytes = cfg.row_dim * itemsize
         self.num_layers = cfg.num_hidden_layers
+        self.key_row_bytes = cfg.index_head_dim * itemsize
         self.page_bytes_stride = spec.max_prompt_tokens * self.row_bytes
+        self.key_bytes_stride = spec.max_prompt_tokens * self.key_row_bytes
         self.send = torch.zeros(self.num_layers, spec.max_prompt_tokens, self.row_bytes,
                                 dtype=torch.uint8, device=spec.device)
+        self.send_keys = torch.zeros(self.num_layers, spec.max_prompt_tokens, self.key_row_bytes,
+                                     dtype=torch.uint8, device=spec.device)
         self.engine = engine if engine is not None else NixlTransferEngine(
             f"prefill-{spec.name}-{id(self):x}")
         self.engine.register(SEND_REGION, self.send)
+        self.engine.register(KEYS_REGION, self.send_keys)
         self._lock = threading.Lock()
         self._held: tuple[str, int] | None = None  # (request id, positions) in the send buffer
         self.stats = {"prefills": 0, "pushes": 0, "pushed_bytes": 0, "push_s": 0.0, "prefill_s": 0.0,
@@ -73,9 +82,12 @@ class PrefillWorker:
         source = MemKind.DEVICE if self.send.is_cuda else MemKind.HOST
         return self.engine.supports_direct_host_write(peer, source)
 
-    def prefill(self, request_id: str, tokens: list[int]) -> PrefillResult:
-        """Run positions ``0..len(tokens)-1`` through the model; keep their KV rows in the send
-        buffer (replacing any earlier request) and return the indexer keys."""
+    def prefill(self, request_id: str, tokens: list[int], keys_inline: bool = True
+                ) -> PrefillResult:
+        """Run positions ``0..len(tokens)-1`` through the model; keep their KV rows and indexer
+        keys in the send buffers (replacing any earlier request). ``keys_inline``: also return the
+        keys (numpy, through Ray's object store; the fallback for replicas without key staging);
+        False: the keys travel only by ``push`` (``LandingDest.key_rows``)."""
         T = len(tokens)
         if T > self.spec.max_prompt_tokens:
             raise CapacityError("prefill send buffer positions", T, self.spec.max_prompt_tokens)
@@ -88,9 +100,11 @@ class PrefillWorker:
                 _, rows, keys = self.model.prefill(ids)
                 self.send[:, :T] = rows.contiguous().view(torch.uint8).reshape(
                     self.num_layers, T, self.row_bytes)
+                self.send_keys[:, :T] = keys.contiguous().view(torch.uint8).reshape(
+                    self.num_layers, T, self.key_row_bytes)
                 if self.send.is_cuda:
                     torch.cuda.synchronize()
-                keys = keys.float().cpu().numpy()
+                keys = keys.float().cpu().numpy() if keys_inline else None
             self._held = (request_id, T)
         dt = time.perf_counter() - t0
         self.stats["prefills"] += 1
@@ -113,14 +127,16 @@ class PrefillWorker:
             t0 = time.perf_counter()
             moved = 0
             try:
+                jobs = []
                 for dest in order.dests:
                     segs = write_segments(dest, SEND_REGION, self.page_bytes_stride, self.row_bytes,
-                                          page_size, T)
-                    if not segs:
-                        continue
-                    write_with_retry(self.engine, segs, dest.notif, attempts=order.attempts,
-                                     timeout_s=order.timeout_s, request_id=order.request_id)
-                    moved += sum(s.nbytes for s in segs)
+                                          page_size, T, key_local=KEYS_REGION,
+                                          key_layer_stride=self.key_bytes_stride,
+                                          key_row_bytes=self.key_row_bytes)
+                    if segs:
+                        jobs.append((segs, dest.notif))
+                        moved += sum(s.nbytes for s in segs)
+                self._write_all(jobs, order)
             except Exception:
                 self.stats["failed_pushes"] += 1
                 raise
@@ -131,6 +147,39 @@ class PrefillWorker:
             if drop_after:
                 self._held = None
             return moved, dt
+
+    def _write_all(self, jobs: list[tuple[list[WriteSegment], bytes]], order: LandingOrder
+                   ) -> None:
+        """Post every WRITE of ``jobs`` (one per destination rank) before waiting for any, so the
+        ranks' WRITEs overlap; a WRITE that failed or timed out is re-posted alone with the
+        attempts left (``write_with_retry``). Typed errors tagged with the request id."""
+        posted, failed = [], []
+        for segs, notif in jobs:
+            try:
+                posted.append((segs, notif, self.engine.post_write(segs, notif)))
+            except TransferError as err:
+                failed.append((segs, notif, err))
+        for segs, notif, xfer in posted:
+            try:
+                wait(self.engine, xfer, order.timeout_s)
+            except TransferError as err:
+                failed.append((segs, notif, err))
+            finally:
+                try:
+                    self.engine.release(xfer)
+                except TransferError:
+                    pass  # a stuck handle cannot be cancelled; the engine drops it on close
+        for segs, notif, err in failed:
+            if order.attempts > 1:
+                try:
+                    write_with_retry(self.engine, segs, notif, attempts=order.attempts - 1,
+                                     timeout_s=order.timeout_s, request_id=order.request_id)
+                    continue
+                except TransferError as again:  # "after n attempt(s): <last error>"
+                    err = again
+                    err.message = again.message.split(": ", 1)[-1]
+            kind = TransferTimeoutError if isinstance(err, TransferTimeoutError) else TransferError
+            raise kind(f"after {order.attempts} attempt(s): {err.message}", order.request_id)
 
     def drop(self, request_id: str) -> None:
         with self._lock:

@@ -12,17 +12,23 @@ from hisparse_ray.errors import ConfigError
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """The model every actor of a deployment builds: the tiny built-in DSA model of ``kind`` with
-    random weights from ``seed`` (identical on every actor). ``dtype``: "float32" (CPU, tests) or
-    "bfloat16" (GPU)."""
+    """The model every actor of a deployment builds: a built-in DSA model of ``kind`` with random
+    weights from ``seed`` (identical on every actor). ``dtype``: "float32" (CPU, tests) or
+    "bfloat16" (GPU). ``shape``: "tiny" (the embedded default, 4 layers of 48-value rows) or
+    "landing" (DeepSeek-V3.2's KV bytes per token around a tiny network, ``num_layers`` layers
+    of 576-value rows: for landing and capacity benchmarks)."""
 
     kind: str = "deepseek_v32"
     seed: int = 0
     dtype: str = "float32"
+    shape: str = "tiny"
+    num_layers: int = 61  # "landing" shape only
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("dtype", self.dtype, "one of 'float32', 'bfloat16'")
+        if self.shape not in ("tiny", "landing"):
+            raise ConfigError("shape", self.shape, "one of 'tiny', 'landing'")
 
     def torch_dtype(self):
         import torch
@@ -30,15 +36,18 @@ class ModelSpec:
         return getattr(torch, self.dtype)
 
     def dsa_config(self):
-        from hisparse_ray.model.config import tiny_config
+        from hisparse_ray.model.config import landing_config, tiny_config
 
+        if self.shape == "landing":
+            return landing_config(self.kind, self.num_layers)
         return tiny_config(self.kind)
 
     def build(self, device: str = "cpu"):
         """The full (unsharded) model on ``device``; same weights wherever it is built."""
-        from hisparse_ray.model.model import build_tiny_model
+        from hisparse_ray.model.model import build_random_model
 
-        return build_tiny_model(self.seed, self.kind, dtype=self.torch_dtype(), device=device)
+        return build_random_model(self.dsa_config(), self.seed, dtype=self.torch_dtype(),
+                                  device=device)
 
     def kv_layout(self, page_size: int) -> KVLayout:
         """The KV row layout of this model: ``row_dim`` values of ``dtype`` per (token, layer)."""

@@ -226,6 +226,25 @@ def tiny_config(kind: str = "deepseek_v32", *, yarn: bool = True) -> DSAConfig:
     )
 
 
+def landing_config(kind: str = "deepseek_v32", num_layers: int = 61) -> DSAConfig:
+    """DeepSeek-V3.2's KV geometry around a tiny network, for landing and capacity benchmarks:
+    ``num_layers`` layers (61 in DeepSeek-V3.2) of 576-value MLA rows (``kv_lora_rank`` 512 +
+    ``qk_rope_head_dim`` 64: 1152 B per token and layer in bf16) and 128-dim indexer keys, so a
+    prompt's KV is as many bytes as on the real model (~70 KB per token); hidden size, heads and
+    experts stay tiny (2 heads: TP 2 divisible) and top-k is 8 (same as :func:`tiny_config`)."""
+    tiny = tiny_config(kind, yarn=False)
+    L = num_layers
+    if L < 1:
+        raise ConfigError("num_layers", L, "must be >= 1")
+    return replace(
+        tiny, hidden_size=64, num_hidden_layers=L, num_attention_heads=2, kv_lora_rank=512,
+        qk_rope_head_dim=64, index_n_heads=2, index_head_dim=128, max_position_embeddings=1 << 17,
+        mlp_layer_types=("dense",) + ("sparse",) * (L - 1),
+        indexer_types=("full",) * L if kind == "deepseek_v32"
+        else tuple("full" if i % 2 == 0 else "shared" for i in range(L)),
+    )
+
+
 def hf_config_dict(cfg: DSAConfig) -> dict[str, Any]:
     """The HF config kwargs equivalent to ``cfg`` (to build the reference model in tests or to write
     a config.json next to exported weights)."""

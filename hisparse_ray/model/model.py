@@ -193,5 +193,12 @@ def build_tiny_model(
     seed: int = 0, kind: str = "deepseek_v32", *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> DSAModel:
     """The embedded default: :func:`tiny_config` of ``kind`` with seeded random weights, no download."""
-    model = init_random_(DSAModel(tiny_config(kind)), seed)
+    return build_random_model(tiny_config(kind), seed, dtype=dtype, device=device)
+
+
+def build_random_model(
+    cfg: DSAConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> DSAModel:
+    """A model of ``cfg`` with seeded random weights (identical wherever it is built)."""
+    model = init_random_(DSAModel(cfg), seed)
     return model.to(device=device).cast_(dtype).eval()

@@ -24,7 +24,9 @@ def main() -> int:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         cluster.wait_for_nodes()
-        spec = ReplicaSpec(tp_size=2, num_device_blocks=12, replica_id="mn")
+        # no staging pool: host landings go direct (CPU) and the indexer keys take the fallback
+        # path through Ray's object store (the single-node tests cover keys by NIXL)
+        spec = ReplicaSpec(tp_size=2, num_device_blocks=12, staging_blocks=0, replica_id="mn")
         replica = launch.launch_deployment(
             spec, PrefillSpec(), decode_resources={"decode_node": 0.01},
             prefill_resources={"prefill_node": 0.01})
