@@ -225,11 +225,12 @@ class NixlTransferEngine:
         raise TransferError(f"transfer {xfer_id} failed: {state}")
 
     def release(self, xfer_id: int) -> None:
-        """Free a transfer id; an active transfer is cancelled (``TransferError`` if it cannot be)."""
+        """Free a transfer id; an active transfer is cancelled (``TransferError`` if it cannot be:
+        the id then stays live, so a later ``release`` or ``close`` frees its handle)."""
         with self._lock:
             handle = self._handle(xfer_id)
-            del self._xfers[xfer_id]
             self._release_handle(handle, raise_=True)
+            del self._xfers[xfer_id]
 
     def _handle(self, xfer_id: int) -> Any:
         try:
