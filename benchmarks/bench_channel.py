@@ -159,7 +159,7 @@ def codec_costs(batch: int, hot_blocks: int, steps: int) -> list[dict]:
 
 
 def channel_run(config: str, tp: int, batch: int, hot_blocks: int, exec_us: float, n: int,
-                warmup: int, ranks: list) -> dict:
+                warmup: int, ranks: list) -> tuple[list[float], list[float]]:
     factory, policy = CONFIGS[config]
     total = warmup + n
     cycle = [step_commands(s, tp, batch, hot_blocks) for s in range(min(total, 256))]
@@ -184,11 +184,26 @@ def channel_run(config: str, tp: int, batch: int, hot_blocks: int, exec_us: floa
         for p in pairs:
             p.close()
     slowest = [max(e[i] for e in execs) for i in range(total)]
-    over = [(rt - ex) * 1e6 for rt, ex in zip(rts[warmup:], slowest[warmup:])]
-    row = {"config": config, "tp": tp, "batch": batch, "exec_us": exec_us,
-           "round_trip_p50_us": statistics.median(r * 1e6 for r in rts[warmup:])}
-    row.update({"overhead_" + k: v for k, v in _q(over).items()})
-    return row
+    return [rt * 1e6 for rt in rts[warmup:]], [(rt - ex) * 1e6 for rt, ex in
+                                                 zip(rts[warmup:], slowest[warmup:])]
+
+
+def channel_rows(tp: int, batch: int, a, exec_us: float, ranks: list) -> list[dict]:
+    """Old and new alternate in ``a.rounds`` rounds (a load change on the machine hits both)."""
+    samples = {c: ([], []) for c in CONFIGS}
+    for _ in range(a.rounds):
+        for config in CONFIGS:
+            rts, over = channel_run(config, tp, batch, a.hot_blocks, exec_us,
+                                    max(1, a.iters // a.rounds), a.warmup, ranks)
+            samples[config][0].extend(rts)
+            samples[config][1].extend(over)
+    rows = []
+    for config, (rts, over) in samples.items():
+        row = {"config": config, "tp": tp, "batch": batch, "exec_us": exec_us,
+               "round_trip_p50_us": statistics.median(rts)}
+        row.update({"overhead_" + k: v for k, v in _q(over).items()})
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -199,14 +214,15 @@ def main() -> None:
     ap.add_argument("--exec-us", type=float, nargs="+", default=[0.0, 2000.0],
                     help="emulated execute time per step on each rank (slept)")
     ap.add_argument("--iters", type=int, default=600)
-    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3, help="old/new alternations per cell")
     ap.add_argument("--codec-steps", type=int, default=600)
     ap.add_argument("--smoke", action="store_true", help="few iterations (CI / quick check)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "channel.json"))
     a = ap.parse_args()
     if a.smoke:
-        a.iters, a.warmup, a.codec_steps = 100, 10, 100
+        a.iters, a.warmup, a.codec_steps, a.rounds = 100, 10, 100, 2
     codec_rows = [r for b in a.batch for r in codec_costs(b, a.hot_blocks, a.codec_steps)]
     ctx = mp.get_context("spawn")
     ranks = [(ctx.Queue(), ctx.Queue()) for _ in range(max(a.tp))]
@@ -218,9 +234,7 @@ def main() -> None:
         for exec_us in a.exec_us:
             for tp in a.tp:
                 for batch in a.batch:
-                    for config in CONFIGS:  # old and new back to back, same conditions
-                        chan_rows.append(channel_run(config, tp, batch, a.hot_blocks, exec_us,
-                                                     a.iters, a.warmup, ranks[:tp]))
+                    chan_rows += channel_rows(tp, batch, a, exec_us, ranks[:tp])
     finally:
         for ctrl, _ in ranks:
             ctrl.put(None)

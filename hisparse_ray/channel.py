@@ -71,7 +71,7 @@ def _load_syscall():
 
 
 _syscall = _load_syscall()
-_SPIN_WAKE = ctypes.c_int(2**31 - 1)
+_WAKE_ALL = ctypes.c_int(2**31 - 1)
 
 
 def futex_available() -> bool:
@@ -89,7 +89,7 @@ def _futex_wait(addr: int, expected: int, seconds: float) -> None:
 
 def _futex_wake(addr: int) -> None:
     _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
-             _SPIN_WAKE, None, None, ctypes.c_int(0))
+             _WAKE_ALL, None, None, ctypes.c_int(0))
 
 
 @dataclass(frozen=True, slots=True)

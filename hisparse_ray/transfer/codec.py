@@ -3,7 +3,9 @@
 Pickling a ``slots=True`` dataclass goes through Python-level ``__getstate__``/``__setstate__``
 per object: a 32-request ``StepCommand`` (~100 small objects) costs hundreds of microseconds each
 way, more than the whole per-step budget. ``WireCodec`` flattens the wire dataclasses to nested
-tuples (pickled by C code) and rebuilds them slot by slot: equal objects, ~5-10x cheaper.
+tuples (pickled by C code) and rebuilds them slot by slot: equal objects, ~5-10x cheaper. The
+channel's default is now the stateful binary ``stepcodec.StepCodec`` (faster again); these stay
+for other channels and as its comparison baseline (``benchmarks/bench_channel.py``).
 """
 
 from __future__ import annotations
