@@ -43,11 +43,14 @@ from hisparse_ray.types import (
     TransferKind,
 )
 
-# name -> (codec factory, wait policy): "old" is the channel before StepCodec and futex waits
-CONFIGS = {
+# name -> (codec factory, wait policy): "old" is the channel before StepCodec and futex waits,
+# "codec" the new codec with the old sleeping waits (--configs old codec new: attribution)
+ALL_CONFIGS = {
     "old": (WireCodec, WaitPolicy(futex=False)),
+    "codec": (StepCodec, WaitPolicy(futex=False)),
     "new": (StepCodec, WaitPolicy()),
 }
+CONFIGS = dict(ALL_CONFIGS)
 
 
 _HOT: dict[tuple[int, int], list[list[int]]] = {}
@@ -90,7 +93,7 @@ def rank_main(ctrl, results) -> None:
         if job is None:
             return
         config, spec, n, exec_s = job
-        factory, policy = CONFIGS[config]
+        factory, policy = ALL_CONFIGS[config]
         execs = []
         with ChannelPair.attach(spec, policy=policy, codec=factory()) as pair:
             for _ in range(n):
@@ -114,12 +117,14 @@ def _q(samples_us: list[float]) -> dict:
 def codec_costs(batch: int, hot_blocks: int, steps: int) -> list[dict]:
     """Per-call encode/decode microseconds of a stateful stream of ``steps`` distinct steps;
     old and new interleaved step by step so load on the machine hits both alike."""
+    _MEMO.clear()  # every measurement starts without shared encodings
+    codec_configs = {"old": ALL_CONFIGS["old"], "new": ALL_CONFIGS["new"]}
     cmds = [step_commands(s, 1, batch, hot_blocks)[0] for s in range(steps)]
     reps = [make_report(c) for c in cmds]
     pc = time.perf_counter
     out = {name: {k: [] for k in ("cmd_enc", "cmd_dec", "rep_enc", "rep_dec", "coord_tp2", "bytes")}
-           for name in CONFIGS}
-    codecs = {name: (f(), f()) for name, (f, _) in CONFIGS.items()}
+           for name in codec_configs}
+    codecs = {name: (f(), f()) for name, (f, _) in codec_configs.items()}
     for cmd, rep in zip(cmds, reps):
         for name, (enc, dec) in codecs.items():
             acc = out[name]
@@ -137,7 +142,7 @@ def codec_costs(batch: int, hot_blocks: int, steps: int) -> list[dict]:
     # each), decode both reports
     _MEMO.clear()  # no encodings shared with the single-rank pass above
     tp2 = [step_commands(s, 2, batch, hot_blocks) for s in range(steps)]
-    group = {name: [(f(), f(), f()) for _ in range(2)] for name, (f, _) in CONFIGS.items()}
+    group = {name: [(f(), f(), f()) for _ in range(2)] for name, (f, _) in codec_configs.items()}
     for pair in tp2:
         for name, ends in group.items():
             reps2 = [e_rank.dumps(make_report(c)) for c, (_, e_rank, _) in zip(pair, ends)]
@@ -161,6 +166,7 @@ def codec_costs(batch: int, hot_blocks: int, steps: int) -> list[dict]:
 def channel_run(config: str, tp: int, batch: int, hot_blocks: int, exec_us: float, n: int,
                 warmup: int, ranks: list) -> tuple[list[float], list[float]]:
     factory, policy = CONFIGS[config]
+    _MEMO.clear()  # an earlier run's encodings of equal steps would make this one look cheap
     total = warmup + n
     cycle = [step_commands(s, tp, batch, hot_blocks) for s in range(min(total, 256))]
     pairs = [ChannelPair.create(1 << 20, policy=policy, codec=factory()) for _ in range(tp)]
@@ -213,7 +219,8 @@ def main() -> None:
     ap.add_argument("--hot-blocks", type=int, default=33, help="hot-buffer blocks per request")
     ap.add_argument("--exec-us", type=float, nargs="+", default=[0.0, 2000.0],
                     help="emulated execute time per step on each rank (slept)")
-    ap.add_argument("--iters", type=int, default=600)
+    ap.add_argument("--iters", type=int, default=450)
+    ap.add_argument("--configs", nargs="+", default=["old", "new"], choices=list(ALL_CONFIGS))
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3, help="old/new alternations per cell")
     ap.add_argument("--codec-steps", type=int, default=600)
@@ -221,6 +228,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "channel.json"))
     a = ap.parse_args()
+    CONFIGS.clear()
+    CONFIGS.update((c, ALL_CONFIGS[c]) for c in a.configs)
     if a.smoke:
         a.iters, a.warmup, a.codec_steps, a.rounds = 100, 10, 100, 2
     codec_rows = [r for b in a.batch for r in codec_costs(b, a.hot_blocks, a.codec_steps)]
@@ -271,7 +280,7 @@ def _print(a, codec_rows: list[dict], chan_rows: list[dict]) -> None:
               f"{r['cmd_dec_p50_us']:>8.1f} {r['rep_enc_p50_us']:>8.1f} {r['rep_dec_p50_us']:>8.1f} "
               f"{s:>8.1f} {r['coord_tp2_p50_us']:>10.1f} {ratio:>8}")
     print("\nstep round trip through real channels; overhead = round trip - slower rank's execute")
-    print(f"{'exec us':>7} {'tp':>3} {'batch':>5} {'cfg':>4} {'rt p50':>8} {'ovh p50':>8} "
+    print(f"{'exec us':>7} {'tp':>3} {'batch':>5} {'cfg':>5} {'rt p50':>8} {'ovh p50':>8} "
           f"{'ovh p90':>8} {'ovh p99':>9} {'new/old p50':>12}")
     old = {}
     for r in chan_rows:
@@ -281,7 +290,7 @@ def _print(a, codec_rows: list[dict], chan_rows: list[dict]) -> None:
             old[key] = r["overhead_p50_us"]
         elif key in old:
             ratio = f"{r['overhead_p50_us'] / old[key]:.2f}"
-        print(f"{r['exec_us']:>7.0f} {r['tp']:>3} {r['batch']:>5} {r['config']:>4} "
+        print(f"{r['exec_us']:>7.0f} {r['tp']:>3} {r['batch']:>5} {r['config']:>5} "
               f"{r['round_trip_p50_us']:>8.1f} {r['overhead_p50_us']:>8.1f} "
               f"{r['overhead_p90_us']:>8.1f} {r['overhead_p99_us']:>9.1f} {ratio:>12}")
 
