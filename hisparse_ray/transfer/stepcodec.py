@@ -27,6 +27,7 @@ pickle (tagged), so equality always holds.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import marshal
@@ -77,10 +78,31 @@ _diff_ints = operator.attrgetter("page", "host_block", "device_block")
 _xfer_ints = operator.attrgetter("transfer_id", "device_block", "host_block")
 _kind_get = operator.attrgetter("kind")
 _backup_ints = operator.attrgetter("transfer_id", "position", "host_block", "offset")
-_make_row = _fast_constructor(wire.BatchRow, list(_LAYOUT[wire.BatchRow]))
-_make_diff = _fast_constructor(wire.TableDiff, list(_LAYOUT[wire.TableDiff]))
-_make_xfer = _fast_constructor(wire.PageTransfer, list(_LAYOUT[wire.PageTransfer]))
-_make_backup = _fast_constructor(wire.Backup, list(_LAYOUT[wire.Backup]))
+
+
+def _builder(cls: type):
+    """``build(n, *columns) -> tuple`` of ``n`` new ``cls`` objects, field i from column i. For a
+    ``slots=True`` class without ``__post_init__``: allocate all, then set one field across all
+    objects per pass (C-level loops; ~20 % cheaper than a constructor call per object)."""
+    names = _LAYOUT[cls]
+    make = _fast_constructor(cls, list(names))
+    if make is cls:
+        return lambda n, *cols: tuple(map(cls, *cols))
+    setters = [getattr(cls, f).__set__ for f in names]
+    new, repeat, drain = object.__new__, itertools.repeat, collections.deque
+
+    def build(n: int, *cols) -> tuple:
+        objs = tuple(map(new, repeat(cls, n)))
+        for put, col in zip(setters, cols):
+            drain(map(put, objs, col), 0)
+        return objs
+    return build
+
+
+_rows = _builder(wire.BatchRow)
+_diffs = _builder(wire.TableDiff)
+_xfers = _builder(wire.PageTransfer)
+_backups = _builder(wire.Backup)
 _make_cmd = _fast_constructor(wire.StepCommand, list(_LAYOUT[wire.StepCommand]))
 _make_rep = _fast_constructor(wire.StepReport, list(_LAYOUT[wire.StepReport]))
 _rep_get = operator.attrgetter(*_LAYOUT[wire.StepReport])
@@ -338,17 +360,17 @@ class StepCodec:
             p += nb
         else:
             hots = map(hot_in.__getitem__, ridx)
-        batch = tuple(map(_make_row, map(name, ridx), v[nb:p:2], v[nb + 1:p:2], hots))
+        batch = _rows(nb, map(name, ridx), v[nb:p:2], v[nb + 1:p:2], hots)
         e = p + 4 * nd
-        diffs = tuple(map(_make_diff, map(name, v[p:p + nd]), v[p + nd:e:3], v[p + nd + 1:e:3],
-                          v[p + nd + 2:e:3]))
+        diffs = _diffs(nd, map(name, v[p:p + nd]), v[p + nd:e:3], v[p + nd + 1:e:3],
+                       v[p + nd + 2:e:3])
         p, e = e, e + 3 * nt
-        xfers = tuple(map(_make_xfer, v[p:e:3], map(_KINDS.__getitem__, v[e:e + nt]),
-                          v[p + 1:e:3], v[p + 2:e:3]))
+        xfers = _xfers(nt, v[p:e:3], map(_KINDS.__getitem__, v[e:e + nt]), v[p + 1:e:3],
+                       v[p + 2:e:3])
         p = e + nt
         e = p + 5 * nk
-        backups = tuple(map(_make_backup, v[p + nk:e:4], map(name, v[p:p + nk]),
-                            v[p + nk + 1:e:4], v[p + nk + 2:e:4], v[p + nk + 3:e:4]))
+        backups = _backups(nk, v[p + nk:e:4], map(name, v[p:p + nk]), v[p + nk + 1:e:4],
+                           v[p + nk + 2:e:4], v[p + nk + 3:e:4])
         released = tuple(map(name, v[e:e + nr]))
         return _make_cmd(step, rank, batch, diffs, xfers, backups, released)
 
