@@ -176,7 +176,7 @@ def channel_run(config: str, tp: int, batch: int, hot_blocks: int, exec_us: floa
         rts = []
         for i in range(total):
             cmds = cycle[i % len(cycle)]
-            if i >= len(cycle):  # keep steps distinct and increasing (the codec state sees a stream)
+            if i >= len(cycle):  # keep steps distinct and increasing (a stream, as in a run)
                 cmds = [StepCommand(i, c.rank, c.batch, c.table_diffs, c.transfers, c.backups)
                         for c in cmds]
             t0 = time.perf_counter()
@@ -277,7 +277,8 @@ def _print(a, codec_rows: list[dict], chan_rows: list[dict]) -> None:
         elif r["batch"] in old:
             ratio = f"{s / old[r['batch']]:.2f}"
         print(f"{r['batch']:>5} {r['codec']:>5} {r['cmd_bytes']:>7} {r['cmd_enc_p50_us']:>8.1f} "
-              f"{r['cmd_dec_p50_us']:>8.1f} {r['rep_enc_p50_us']:>8.1f} {r['rep_dec_p50_us']:>8.1f} "
+              f"{r['cmd_dec_p50_us']:>8.1f} {r['rep_enc_p50_us']:>8.1f} "
+              f"{r['rep_dec_p50_us']:>8.1f} "
               f"{s:>8.1f} {r['coord_tp2_p50_us']:>10.1f} {ratio:>8}")
     print("\nstep round trip through real channels; overhead = round trip - slower rank's execute")
     print(f"{'exec us':>7} {'tp':>3} {'batch':>5} {'cfg':>5} {'rt p50':>8} {'ovh p50':>8} "

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import platform
 import struct
 import threading
 import time
@@ -27,6 +26,7 @@ from hisparse_ray.errors import (
     ChannelTimeoutError,
     MessageTooLargeError,
 )
+from hisparse_ray.futex import futex_available, futex_wait, futex_wake
 from hisparse_ray.hostsegment import pid_alive as _pid_alive
 from hisparse_ray.transfer.codec import Codec
 from hisparse_ray.transfer.stepcodec import StepCodec
@@ -50,47 +50,6 @@ _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
 Role = Literal["sender", "receiver"]
-
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the words live in a shared mapping
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _load_syscall():
-    if _SYS_FUTEX is None or not hasattr(os, "sched_yield"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syscall  # CDLL calls release the GIL
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_long
-    return fn
-
-
-_syscall = _load_syscall()
-_WAKE_ALL = ctypes.c_int(2**31 - 1)
-
-
-def futex_available() -> bool:
-    """Whether blocked waits use a futex here (Linux x86-64 / aarch64 through libc ``syscall``)."""
-    return _syscall is not None
-
-
-def _futex_wait(addr: int, expected: int, seconds: float) -> None:
-    """Block while the u32 at ``addr`` equals ``expected``, at most ``seconds`` (returns early on
-    a wake-up, a changed word, a signal or a spurious wake: the caller re-checks)."""
-    ts = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
-    _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
-             ctypes.c_int(expected), ctypes.byref(ts), None, ctypes.c_int(0))
-
-
-def _futex_wake(addr: int) -> None:
-    _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
-             _WAKE_ALL, None, None, ctypes.c_int(0))
-
 
 @dataclass(frozen=True, slots=True)
 class ChannelSpec:
@@ -259,8 +218,8 @@ class ShmChannel:
         self._store(_OFF_SENDER_CLOSED if self.role == "sender" else _OFF_RECEIVER_CLOSED, 1)
         if self._futex:  # a blocked peer sees the close at once
             self._fence()
-            _futex_wake(self._base + _OFF_WRITE)
-            _futex_wake(self._base + _OFF_READ)
+            futex_wake(self._base + _OFF_WRITE)
+            futex_wake(self._base + _OFF_READ)
         self._mm.close()
         os.close(self._fd)
         if self._creator:
@@ -373,7 +332,7 @@ class ShmChannel:
         if self._futex:
             self._fence()
             if self._load(peer_waiting_off):
-                _futex_wake(self._base + word_off)
+                futex_wake(self._base + word_off)
 
     def _wait(self, ready, timeout: float | None, what: str, me: Role) -> None:
         """Block until ``ready()``; the sender waits on the receiver's read position, the
@@ -422,8 +381,8 @@ class ShmChannel:
                     if ready():
                         return
                     left = policy.futex_slice_s if deadline is None else deadline - now
-                    _futex_wait(self._base + word_off, word,
-                                max(1e-6, min(policy.futex_slice_s, left)))
+                    futex_wait(self._base + word_off, word,
+                               max(1e-6, min(policy.futex_slice_s, left)))
                     continue
                 time.sleep(sleep if deadline is None else max(0.0, min(sleep, deadline - now)))
                 sleep = min(sleep * 2, policy.max_sleep_s)
