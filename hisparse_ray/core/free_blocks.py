@@ -27,12 +27,13 @@ class FreeBlocks:
     for ``n`` sets it to ``n - 1``, so repeated large requests under fragmentation do not rescan).
     """
 
-    def __init__(self, num_blocks: int, *, all_free: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
+        """All ``num_blocks`` ids start free."""
         self.num_blocks = num_blocks
-        self._bits = bytearray([FREE if all_free else TAKEN]) * num_blocks
-        self._count = num_blocks if all_free else 0
-        self._lo = 0 if all_free else num_blocks
-        self._run_bound = self._count
+        self._bits = bytearray([FREE]) * num_blocks
+        self._count = num_blocks
+        self._lo = 0
+        self._run_bound = num_blocks
 
     def __len__(self) -> int:
         return self._count
