@@ -92,6 +92,8 @@ def _builder(cls: type):
     new, repeat, drain = object.__new__, itertools.repeat, collections.deque
 
     def build(n: int, *cols) -> tuple:
+        if not n:
+            return ()
         objs = tuple(map(new, repeat(cls, n)))
         for put, col in zip(setters, cols):
             drain(map(put, objs, col), 0)
@@ -240,6 +242,9 @@ class StepCodec:
         TP ranks get equal commands (rank aside) and their encoders, fed the same stream, hold
         equal states: the first encodes, the others find (their state token, an equal command)
         in ``_MEMO`` and only re-pack the header with their rank and replay the state delta."""
+        if (cmd.batch == () and cmd.table_diffs == () and cmd.transfers == ()
+                and cmd.backups == () and cmd.released == ()):  # an empty step: header only
+            return _CMD.pack(TAG_COMMAND, _ALL_HOT_SAME, cmd.step, cmd.rank, 0, 0, 0, 0, 0, 0, 0)
         key = (self.max_ids, self._token)
         hit = _MEMO.get(key)
         if hit is not None:
@@ -341,10 +346,12 @@ class StepCodec:
 
     def _load_command(self, data: bytes) -> wire.StepCommand:
         _, flags, step, rank, nb, nd, nt, nk, nr, ndef, nhot = _CMD.unpack_from(data, 0)
+        if not (nb or nd or nt or nk or nr or ndef):
+            return _make_cmd(step, rank, (), (), (), (), ())
         off = self._load_defs(data, _CMD.size, ndef)
         has_len = not flags & _ALL_HOT_SAME
         n = 3 * nb + (nb if has_len else 0) + 4 * nd + 4 * nt + 5 * nk + nr + nhot
-        v = struct.unpack_from(f"<{n}q", data, off)
+        v = struct.unpack_from(f"<{n}q", data, off) if n else ()
         name = self._names.__getitem__
         hot_in = self._hot_in
         ridx = v[:nb]
