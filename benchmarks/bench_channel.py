@@ -11,7 +11,8 @@ slower rank's execute time (the BENCHMARKS.md metric); exec 0 shows back-to-back
 millisecond-scale exec shows the wake-up cost of a waiter that went to sleep.
 
 One command:  python benchmarks/bench_channel.py          (--smoke: a quick CPU check)
-Prints two tables and writes JSON (default benchmarks/results/channel.json).
+Prints two tables and writes JSON (default benchmarks/results/channel.json). ``--configs old codec
+new`` adds the new codec with the old sleeping waits (splits the gain between codec and futex).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ _REPORT_TAG = bytes((TAG_REPORT,))
 # (max_ids, state token) -> (command, header fields, bytes after the header, state delta, token
 # after): lets the encoders of a TP group encode a step once (see StepCodec._dump_command).
 _MEMO: dict[tuple[int, int], tuple] = {}
-_MEMO_MAX = 256
+_MEMO_MAX = 64  # a TP group needs one live entry; more only absorbs several groups
 _TOKENS = itertools.count(1)
 
 
