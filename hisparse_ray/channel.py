@@ -262,8 +262,7 @@ class ShmChannel:
             if reset is not None:  # the peer never sees this message: restart the codec state
                 reset()
             raise
-        self._put(pos, _FRAME.pack(len(payload), self._seq))
-        self._put(pos + _FRAME.size, payload)
+        self._put(pos, _FRAME.pack(len(payload), self._seq) + payload)  # one copy into the ring
         self._pos = pos + frame
         self._seq += 1
         _U64.pack_into(self._mm, _OFF_WRITE, self._pos)  # publish
@@ -278,7 +277,11 @@ class ShmChannel:
         if self._load(_OFF_WRITE) == pos:
             self._wait(lambda: self._load(_OFF_WRITE) != pos, timeout, "no message",
                        "receiver")
-        length, seq = _FRAME.unpack(self._get(pos, _FRAME.size))
+        off = pos % self.capacity
+        if off + _FRAME.size <= self.capacity:
+            length, seq = _FRAME.unpack_from(self._mm, _DATA + off)
+        else:  # the header wraps
+            length, seq = _FRAME.unpack(self._get(pos, _FRAME.size))
         if seq != self._seq or length > self.max_message_bytes:
             raise ChannelError(f"corrupt frame: seq {seq} (expected {self._seq}), "
                                f"length {length}", self.name)
