@@ -45,11 +45,14 @@ from hisparse_ray.types import (
 )
 
 # name -> (codec factory, wait policy): "old" is the channel before StepCodec and futex waits,
-# "codec" the new codec with the old sleeping waits (--configs old codec new: attribution)
+# "codec" the new codec with the old sleeping waits (--configs old codec new: attribution),
+# "yield" the new channel whose waiters yield instead of blocking for up to 20 ms
 ALL_CONFIGS = {
     "old": (WireCodec, WaitPolicy(futex=False)),
     "codec": (StepCodec, WaitPolicy(futex=False)),
     "new": (StepCodec, WaitPolicy()),
+    # the new channel with waiters that keep yielding (not blocking) for 20 ms: a core each
+    "yield": (StepCodec, WaitPolicy(yield_s=20e-3)),
 }
 CONFIGS = dict(ALL_CONFIGS)
 
