@@ -140,7 +140,7 @@ class Lander:
                     if blocks:
                         self.staging.release(blocks)
                     raise
-                inflight.append((refs, blocks))
+                inflight.append((rid, refs, blocks))
                 while len(inflight) >= IN_FLIGHT + (0 if staged else 1):
                     self._finish(inflight.popleft())
             while inflight:
@@ -225,13 +225,17 @@ class Lander:
         On a failure, first let the chunk's other calls finish (bounded): a key install must not
         land on a rank after the cleanup dropped the request there, and no staging block returns
         to the pool under a live WRITE or copy."""
-        refs, blocks = item
+        rid, refs, blocks = item
         live = [r for r in refs if r is not None]
         deadline = self.coord.spec.landing_attempts * self.coord.spec.landing_timeout_s \
             + CALL_TIMEOUT_S
         try:
             out = ray.get(live, timeout=deadline)
         except Exception:
+            # a failed push leaves the ranks waiting for a notification that will not come:
+            # cancel those waits first, then let every call of the chunk end
+            for rank in self.coord.ranks:
+                rank.drop_landing.remote(rid)
             ray.wait(live, num_returns=len(live), timeout=deadline)
             if blocks:
                 self.staging.release(blocks)

@@ -151,6 +151,18 @@ def write_segments(dest: LandingDest, local: str, local_layer_stride: int, row_b
     return segs
 
 
+def split_by_memory_kind(segments: Sequence[WriteSegment], local_kind: Any
+                         ) -> list[list[WriteSegment]]:
+    """``segments`` in groups that one WRITE can move (NIXL moves one memory kind per side per
+    transfer): grouped by ``(local_kind(seg.local), seg.remote.kind)``, order kept within a
+    group, groups in order of first appearance. E.g. a direct host landing's KV rows (device ->
+    DRAM) and its indexer keys (device -> VRAM key staging) are two WRITEs."""
+    groups: dict[tuple, list[WriteSegment]] = {}
+    for seg in segments:
+        groups.setdefault((local_kind(seg.local), seg.remote.kind), []).append(seg)
+    return list(groups.values())
+
+
 def page_runs(pages: Sequence[tuple[int, int]], page_size: int, num_positions: int
               ) -> list[tuple[int, int, int]]:
     """``(first position, first block row, rows)`` runs of ``pages`` = (page, block) pairs, in
@@ -201,15 +213,18 @@ def copy_runs(src_layers: Sequence[Any], dst_layers: Sequence[Any],
     """``dst_layers[l][d:d + n] = src_layers[l][s:s + n]`` for every run and layer (torch 2-D
     ``[rows, row_bytes]`` tensors; sources may sit on a GPU, destinations on the host). Up to
     ``max_memcpys`` runs: one copy per run and layer. More: per layer one copy of the spanned
-    source rows to the destination device and one ``index_copy_`` scatter. Synchronous."""
+    source rows to the destination device and one ``index_copy_`` scatter. Synchronous (returns
+    after every copy finished)."""
     import torch
 
     if not runs:
         return
     if len(runs) <= max_memcpys:
+        # asynchronous copies, one synchronize below: no per-layer stall between DMA copies
+        # (safe for any destination: the synchronize precedes every reader)
         for src, dst in zip(src_layers, dst_layers):
             for s, d, n in runs:
-                dst[d:d + n].copy_(src[s:s + n])
+                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
     else:
         lo = min(s for s, _, _ in runs)
         hi = max(s + n for s, _, n in runs)

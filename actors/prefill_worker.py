@@ -10,7 +10,9 @@ import time
 
 import torch
 
-from hisparse_ray.actors.landing import LandingOrder, PrefillResult, write_segments
+from hisparse_ray.actors.landing import (
+    LandingOrder, PrefillResult, split_by_memory_kind, write_segments,
+)
 from hisparse_ray.actors.spec import PrefillSpec
 from hisparse_ray.errors import CapacityError, StateError, TransferError, TransferTimeoutError
 from hisparse_ray.transfer import (
@@ -150,9 +152,19 @@ class PrefillWorker:
 
     def _write_all(self, jobs: list[tuple[list[WriteSegment], bytes]], order: LandingOrder
                    ) -> None:
-        """Post every WRITE of ``jobs`` (one per destination rank) before waiting for any, so the
-        ranks' WRITEs overlap; a WRITE that failed or timed out is re-posted alone with the
-        attempts left (``write_with_retry``). Typed errors tagged with the request id."""
+        """WRITE every job (one per destination rank; its notification tells the rank that ALL of
+        the job's bytes arrived). A job whose segments span memory kinds (KV rows into DRAM plus
+        keys into VRAM) is split (``split_by_memory_kind``): its leading groups are written and
+        DONE first without a notification, then its last group carries the notification. In each
+        phase every WRITE is posted before any is awaited, so the ranks' WRITEs overlap; a WRITE
+        that failed or timed out is re-posted alone with the attempts left."""
+        kind = lambda name: self.engine.region(name).kind  # noqa: E731
+        split = [(split_by_memory_kind(segs, kind), notif) for segs, notif in jobs]
+        self._write_phase([(g, b"") for groups, _ in split for g in groups[:-1]], order)
+        self._write_phase([(groups[-1], notif) for groups, notif in split], order)
+
+    def _write_phase(self, jobs: list[tuple[list[WriteSegment], bytes]], order: LandingOrder
+                     ) -> None:
         posted, failed = [], []
         for segs, notif in jobs:
             try:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hisparse_ray.actors.landing import (
-    LandingDest, StagingPool, copy_runs, page_positions, page_runs, unstage_runs, write_segments,
+    LandingDest, StagingPool, copy_runs, page_positions, page_runs, split_by_memory_kind,
+    unstage_runs, write_segments,
 )
 from hisparse_ray.errors import StateError
 from hisparse_ray.transfer import MemKind, RegionDesc, coalesce
@@ -33,6 +34,34 @@ def test_consecutive_pages_into_a_block_run_are_one_segment_per_layer():
     assert [(s.remote.name, s.local_offset, s.nbytes, s.remote_offset) for s in segs] == [
         (f"stage.{l}", l * stride, T * row, 2 * page * row) for l in range(L)]
     assert coalesce(segs) == segs
+
+
+def test_key_rows_are_one_segment_per_layer_after_the_kv_segments():
+    row, page, T, stride, L, key_row, key_stride = 4, 8, 37, 4000, 3, 6, 600
+    hosts = tuple(RegionDesc("peer", f"host.{l}", 10_000 * (l + 1), 4096, 0, MemKind.HOST)
+                  for l in range(L))
+    keys = _regions(L, 64 * key_row)  # device key staging rows, one region per layer
+    # pages 2, 3 -> host blocks 7, 8; keys of positions 16..36 into key staging rows 40..60
+    dest = LandingDest(0, hosts, ((2, 7), (3, 8)), b"n", keys, (16, 40, 21))
+    segs = write_segments(dest, "send", stride, row, page, T, key_local="send.keys",
+                          key_layer_stride=key_stride, key_row_bytes=key_row)
+    assert [(s.local, s.remote.name, s.local_offset, s.nbytes, s.remote_offset) for s in segs] == (
+        [("send", f"host.{l}", l * stride + 16 * row, 16 * row, 56 * row) for l in range(L)]
+        + [("send.keys", f"stage.{l}", l * key_stride + 16 * key_row, 21 * key_row,
+            40 * key_row) for l in range(L)])
+    # a WRITE of keys only (pages reused): no KV regions needed
+    only_keys = LandingDest(1, (), (), b"k", keys, (0, 0, 5))
+    assert len(write_segments(only_keys, "send", stride, row, page, T, key_local="send.keys",
+                              key_layer_stride=key_stride, key_row_bytes=key_row)) == L
+    with pytest.raises(StateError):  # key rows without key regions
+        write_segments(LandingDest(0, hosts, (), b"x", (), (0, 0, 5)), "send", stride, row,
+                       page, T, key_local="send.keys", key_layer_stride=key_stride,
+                       key_row_bytes=key_row)
+    # NIXL moves one memory kind per side per WRITE: host rows and device keys are two groups
+    groups = split_by_memory_kind(segs, lambda name: MemKind.DEVICE)
+    assert [[s.remote.name for s in g] for g in groups] == [
+        [f"host.{l}" for l in range(L)], [f"stage.{l}" for l in range(L)]]
+    assert split_by_memory_kind(segs[L:], lambda name: MemKind.DEVICE) == [segs[L:]]
 
 
 def test_page_runs_break_on_gaps_and_after_a_partial_page():

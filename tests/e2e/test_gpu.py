@@ -29,13 +29,18 @@ def test_demo_tp2_on_one_gpu():
     assert "device cuda" in out.stdout
 
 
-def test_gpu_prefill_lands_through_staging_pool(ray_cluster):
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_gpu_prefill_host_landing_matches_full_resident(ray_cluster, path):
+    """staged: KV into the GPU staging pool, then D2H into the host pool; direct: KV straight
+    into the pinned host pool. Either way the indexer keys go GPU -> every rank's GPU key staging
+    (so a direct landing is two WRITEs per rank 0: DRAM rows, then VRAM keys + notification)."""
     model = ModelSpec()
     spec = ReplicaSpec(model=model, tp_size=2, gpus_per_rank=0.4, num_device_blocks=12,
-                       staging_blocks=4, replica_id="gpu-staged")
-    rep = launch.launch_deployment(spec, PrefillSpec(model=model, gpus=0.2, name="gpu-prefill"))
+                       staging_blocks=4, replica_id=f"gpu-{path}")
+    rep = launch.launch_replica(spec)
     try:
-        assert ray.get(rep.coordinator.metrics.remote())["landing_paths"] == ["staged"]
+        pf = launch.launch_prefill(PrefillSpec(model=model, gpus=0.2, name=f"gpu-{path}"))
+        assert launch.connect(rep, pf, path) == path
         rng = random.Random(0)
         requests = [(f"g{i}", [rng.randrange(1, 96) for _ in range(n)])
                     for i, n in enumerate((150, 20, 120))]
@@ -47,6 +52,6 @@ def test_gpu_prefill_lands_through_staging_pool(ray_cluster):
     ref = full_resident_tokens(model, [p for _, p in requests], 8, [r for r, _ in requests],
                                device="cuda")
     for rid, _ in requests:
-        assert rows[rid]["error"] is None
+        assert rows[rid]["error"] is None, rows[rid]
         assert rows[rid]["tokens"] == ref[rid]
-    assert rows["g0"]["landing_path"] == "staged" and rows["g1"]["target"] == "resident"
+    assert rows["g0"]["landing_path"] == path and rows["g1"]["target"] == "resident"
