@@ -76,7 +76,7 @@ class Coordinator:
         """Open one channel pair per rank, hand the ranks their ends, start the step thread."""
         if self._thread is not None:
             raise StateError("coordinator already started")
-        self._channels = [ChannelPair.create() for _ in self.ranks]
+        self._channels = [ChannelPair.create(policy=self.spec.wait_policy()) for _ in self.ranks]
         ray.get([r.attach_channel.remote(ch.spec) for r, ch in zip(self.ranks, self._channels)])
         self._thread = threading.Thread(target=self._step_loop, name="coordinator-steps", daemon=True)
         self._thread.start()

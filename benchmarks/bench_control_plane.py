@@ -87,7 +87,7 @@ def bench_landing(rep, tokens: int, repeats: int, paths: list[str], kv_bytes_per
     host, the copy engine's limit; on CPU: a host memcpy). GB/s count the KV bytes that land in
     the host pool; the indexer keys (to every rank) ride along and are reported separately."""
     coord = rep.coordinator
-    rng = random.Random(1)
+    rng = random.Random(f"landing-{tokens}")  # prompts share no prefix across sizes: no reuse
     out = {}
     for path in paths:
         index = {"direct": 0, "staged": 1}[path]
@@ -98,6 +98,10 @@ def bench_landing(rep, tokens: int, repeats: int, paths: list[str], kv_bytes_per
                                         None, index))
             (row,) = ray.get(coord.wait.remote([rid], 900))
             assert row["error"] is None and row["landing_path"] == path, row
+            print(f"  [{time.strftime('%H:%M:%S')}] {path} {tokens} tokens #{i}: landed "
+                  f"{row['landing_bytes'] / 1e6:.1f} MB in {row['landing_s'] * 1e3:.1f} ms "
+                  f"(data path {row['landing_data_s'] * 1e3:.1f} ms) "
+                  f"(request latency {row['latency_s']:.2f} s)", flush=True)
             if i:
                 moved = row["landing_bytes"]
                 kv = (tokens - 1) * kv_bytes_per_token
@@ -144,6 +148,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=61, help="layers of the 'landing' model")
     ap.add_argument("--paths", nargs="+", choices=["direct", "staged"],
                     default=["direct", "staged"], help="landing paths to measure")
+    ap.add_argument("--direct-max-tokens", type=int, default=None,
+                    help="measure the direct path only for prompts up to this length (on a GPU "
+                         "host it runs at ~0.4 GB/s: a GB takes longer than a landing attempt)")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -169,14 +176,19 @@ def main() -> int:
                               gpus=0.1 if gpu else 0.0, name=name) for name in ("direct", "staged")]
         workers = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
                    for p in pspecs]
+        t0 = time.perf_counter()
         rep = launch.launch_replica(spec)
+        print(f"  replica up in {time.perf_counter() - t0:.1f} s", flush=True)
         ray.get([w.ready.remote() for w in workers])
         for w, mode in zip(workers, ("direct", "staged")):
             launch.connect(rep, w, mode)
         try:
             cp = bench_control_plane(rep, args.probes) if args.only != "landing" else {}
-            land = {str(t): bench_landing(rep, t, args.repeats, args.paths, per_token)
-                    for t in args.tokens} if args.only != "control" else {}
+            land = {str(t): bench_landing(
+                rep, t, args.repeats,
+                [p for p in args.paths if p != "direct" or args.direct_max_tokens is None
+                 or t <= args.direct_max_tokens], per_token)
+                for t in args.tokens} if args.only != "control" else {}
         finally:
             rep.shutdown()
     finally:

@@ -24,14 +24,23 @@ case "${1:-run}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     python3 -c "import torch, cupy, ray, nixl, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
     if [ "$mode" = landing ]; then
-      df -h /dev/shm | tee "$OUT/shm.txt"; free -g | tee -a "$OUT/shm.txt"
-      timeout 200 python3 benchmarks/bench_control_plane.py --only landing --model landing --tokens 4096 16384 \
-        --page-size 64 --staging-blocks 256 --repeats 3 --out "$OUT/landing_one_chunk.json" 2>&1 \
-        | grep -v -E "NIXL INFO|WARNING|INFO worker" | tail -20 | tee "$OUT/landing.log"
+      # full logs under $OUT; the reply shows progress lines and tables only
+      keep='^ +\[|replica up|^landing|^path|^direct|^staged|^control|^measure|^shm|^ray|^Ray|^[a-z_ ]+[0-9.]+ +[0-9.]+|Error|error'
+      df -h /dev/shm | tail -1
+      timeout 280 python3 benchmarks/bench_control_plane.py --only landing --model landing --tokens 8192 16384 \
+        --paths staged --page-size 64 --staging-blocks 256 --repeats 2 \
+        --out "$OUT/landing_one_chunk.json" > "$OUT/landing_one_chunk.log" 2>&1
+      grep -E "$keep" "$OUT/landing_one_chunk.log" | tail -25
+      [ "${LANDING_ONLY:-0}" = 1 ] && exit 0
       timeout 100 python3 benchmarks/bench_control_plane.py --only landing --model landing --tokens 16384 \
-        --page-size 64 --staging-blocks 64 --repeats 3 --paths staged --out "$OUT/landing_chunks.json" 2>&1 \
-        | grep -v -E "NIXL INFO|WARNING|INFO worker" | tail -10 | tee -a "$OUT/landing.log"
-      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+        --page-size 64 --staging-blocks 64 --repeats 3 --paths staged \
+        --out "$OUT/landing_chunks.json" > "$OUT/landing_chunks.log" 2>&1
+      grep -E "$keep" "$OUT/landing_chunks.log" | tail -10
+      timeout 100 python3 benchmarks/bench_channel.py --configs old codec new yield \
+        --out "$OUT/channel.json" > "$OUT/channel.log" 2>&1; tail -30 "$OUT/channel.log"
+      timeout 120 python3 benchmarks/bench_control_plane.py --only control --probes 1000 \
+        --out "$OUT/control_plane.json" > "$OUT/control_plane.log" 2>&1
+      grep -E "$keep" "$OUT/control_plane.log" | tail -10
       exit 0
     fi
     paths=("$@")
