@@ -15,8 +15,9 @@ The indexer keys travel by NIXL into the ranks' key staging rows (indexed like t
 blocks, so the same lease covers them); a replica without a staging pool falls back to shipping
 them through Ray's object store.
 
-Never deadlocks: while a lander holds a chunk in flight it only TRIES to lease the next run and
-finishes its oldest chunk when that fails; it blocks on the pool only with nothing in flight.
+Never deadlocks (``landing.lease_run``): while a lander holds a chunk in flight it only TRIES to
+lease the next run and finishes its oldest chunk when that fails; it blocks on the pool only with
+nothing in flight.
 
 Any failure (``TransferError`` / ``TransferTimeoutError`` after the prefill worker's retries, a
 missing notification, a dead prefill worker) ends the request with that typed error and releases
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from hisparse_ray.actors.landing import (
-    LandingDest, LandingOrder, RankLandingStep, StagingPool, chunks, page_positions,
+    LandingDest, LandingOrder, RankLandingStep, StagingPool, chunks, lease_run, page_positions,
 )
 from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutError
 from hisparse_ray.types import Admission, LandingTarget
@@ -132,7 +133,8 @@ class Lander:
         inflight: collections.deque = collections.deque()
         try:
             for i, part in enumerate(parts):
-                blocks = self._lease(len(part), inflight) if staged and part else ()
+                blocks = lease_run(self.staging, len(part), inflight, self._finish) \
+                    if staged and part else ()
                 try:
                     refs = self._issue(adm, path, block, part, blocks, i, i == len(parts) - 1,
                                        capacity, None if keys_nixl else result.index_keys)
@@ -208,17 +210,6 @@ class Lander:
         for r, step in zip(ranks, steps):
             refs.append(r.complete_landing.remote(step, keys_ref))
         return refs
-
-    def _lease(self, n: int, inflight: collections.deque) -> tuple[int, ...]:
-        """A contiguous staging run of ``n`` blocks. With chunks in flight only TRY (finishing
-        the oldest chunk when the pool has no run), so a lander never waits on the pool while it
-        holds blocks that only it can release."""
-        while inflight:
-            try:
-                return self.staging.acquire_run(n, timeout=0)
-            except TimeoutError:
-                self._finish(inflight.popleft())
-        return self.staging.acquire_run(n)
 
     def _finish(self, item) -> None:
         """Wait for one chunk's calls, account its bytes and seconds, release its staging run.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hisparse_ray.errors import StateError
 from hisparse_ray.transfer import RegionDesc, WriteSegment
@@ -245,6 +245,21 @@ def chunks(items: Sequence, size: int) -> list[tuple]:
     if size < 1:
         raise ValueError(f"chunk size must be >= 1, got {size}")
     return [tuple(items[i:i + size]) for i in range(0, len(items), size)]
+
+
+def lease_run(pool: "StagingPool", n: int, inflight: collections.deque,
+              finish: Callable[[Any], None]) -> tuple[int, ...]:
+    """A contiguous run of ``n`` staging blocks for a lander that may hold chunks in flight
+    (``inflight``, oldest first; ``finish(item)`` waits for one and releases its blocks). With
+    anything in flight it only TRIES the pool, finishing its oldest chunk after each miss; it
+    blocks on the pool only with nothing in flight. So no lander ever waits for blocks while
+    holding blocks that only it can release: landers sharing one pool cannot deadlock."""
+    while inflight:
+        try:
+            return pool.acquire_run(n, timeout=0)
+        except TimeoutError:
+            finish(inflight.popleft())
+    return pool.acquire_run(n)
 
 
 class StagingPool:

@@ -4,6 +4,7 @@ contiguous first-fit runs (literal cases, a thread hammer, hypothesis properties
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 import time
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hisparse_ray.actors.landing import (
-    LandingDest, StagingPool, copy_runs, page_positions, page_runs, split_by_memory_kind,
+    LandingDest, StagingPool, chunks, copy_runs, lease_run, page_positions, page_runs,
+    split_by_memory_kind,
     unstage_runs, write_segments,
 )
 from hisparse_ray.errors import StateError
@@ -225,3 +227,55 @@ class RunMachine(RuleBasedStateMachine):
 
 TestRunMachine = RunMachine.TestCase
 TestRunMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pipelined_landers_sharing_a_small_pool_never_deadlock_or_double_lease(seed):
+    """Random schedules of the lander's chunk loop (``chunks`` + ``lease_run`` + up to two
+    chunks in flight, finished after a random delay) by several threads on one small pool:
+    every landing completes, no block is held by two chunks at once, nothing is lost."""
+    rng = random.Random(seed)
+    capacity, landers, landings = rng.choice([2, 3, 4, 6]), rng.randint(2, 4), 12
+    pool = StagingPool(capacity)
+    held: set[int] = set()
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def finish(item) -> None:
+        blocks, delay = item
+        time.sleep(delay)
+        with lock:
+            assert set(blocks) <= held
+            held.difference_update(blocks)
+        pool.release(blocks)
+
+    def lander(index: int) -> None:
+        local = random.Random(seed * 100 + index)
+        try:
+            for _ in range(landings):
+                pages = list(range(local.randint(1, 3 * capacity)))
+                size = capacity if len(pages) <= capacity else max(1, capacity // 2)
+                inflight: collections.deque = collections.deque()
+                for part in chunks(pages, size):
+                    blocks = lease_run(pool, len(part), inflight, finish)
+                    assert list(blocks) == list(range(blocks[0], blocks[0] + len(part)))
+                    with lock:
+                        assert not held & set(blocks), "a block leased to two chunks"
+                        held.update(blocks)
+                    inflight.append((blocks, local.random() * 2e-3))
+                    while len(inflight) >= 2:
+                        finish(inflight.popleft())
+                while inflight:
+                    finish(inflight.popleft())
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=lander, args=(i,), daemon=True) for i in range(landers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "landers deadlocked on the staging pool"
+    assert not errors, errors
+    assert not held and pool.num_free == capacity
+    pool.check_invariants()
