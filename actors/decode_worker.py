@@ -17,7 +17,7 @@ import torch
 
 from hisparse_ray.actors import tp
 from hisparse_ray.actors.landing import (
-    RankEndpoint, RankLandingStep, copy_runs, unstage_runs,
+    RankEndpoint, RankLandingStep, copy_runs, group_notif, layer_group, unstage_runs,
 )
 from hisparse_ray.actors.spec import ReplicaSpec
 from hisparse_ray.channel import ChannelPair, ChannelSpec
@@ -183,18 +183,20 @@ class DecodeWorker:
             time.sleep(NOTIF_POLL_S)
 
     def unstage_run(self, first_staging_block: int, host_blocks: list[int], pages: list[int],
-                    num_positions: int) -> float:
+                    num_positions: int, layers: list[int] | None = None) -> float:
         """Rank 0: copy a chunk landed in the contiguous staging run starting at
         ``first_staging_block`` (page ``pages[i]`` in staging block ``first_staging_block + i``)
-        into ``host_blocks[i]``, one copy (or one gather/scatter) per layer; returns its seconds."""
+        into ``host_blocks[i]``, one copy (or one gather/scatter) per layer of ``layers`` (None:
+        all); returns its seconds."""
         runs = unstage_runs(first_staging_block, host_blocks, pages, self.spec.page_size,
                             num_positions)
+        layers = range(len(self.staging)) if layers is None else layers
         t0 = time.perf_counter()
         with self._lock:
             self.pool.begin_write()
             try:
-                copy_runs(self.staging, [self.pool.layer(l) for l in range(len(self.staging))],
-                          runs)
+                copy_runs([self.staging[l] for l in layers],
+                          [self.pool.layer(l) for l in layers], runs)
             finally:
                 self.pool.publish()
         return time.perf_counter() - t0
@@ -207,12 +209,17 @@ class DecodeWorker:
         copy runs under the executor lock, so never inside a decode step. Returns the seconds of
         the staging -> host copy (0.0 without one)."""
         rid = step.request_id
-        if step.notif is not None:
-            self.wait_notification(step.notif, step.timeout_s, rid)
+        G = max(1, step.layer_groups)
         seconds = 0.0
-        if step.unstage is not None:
-            first, host_blocks, pages = step.unstage
-            seconds = self.unstage_run(first, list(host_blocks), list(pages), step.num_positions)
+        for g in range(G):  # group g is copied to host while later groups are still written
+            if step.notif is not None:
+                self.wait_notification(group_notif(step.notif, g, G), step.timeout_s, rid)
+            if step.unstage is not None:
+                first, host_blocks, pages = step.unstage
+                L = len(self.staging)
+                seconds += self.unstage_run(first, list(host_blocks), list(pages),
+                                            step.num_positions,
+                                            [l for l in range(L) if layer_group(l, L, G) == g])
         keys = None if index_keys is None else torch.from_numpy(index_keys.copy())
         with self._lock:
             if rid in self._cancelled:

@@ -181,10 +181,13 @@ class Lander:
             else:
                 pages_r, layers = (), ()
             notif = None
+            # staged KV: split in layer groups so rank 0 copies group g while g+1 is written
+            groups = min(spec.landing_layer_groups, len(layers)) \
+                if pages_r and r == 0 and path == "staged" else 1
             if pages_r or keys is not None:
                 notif = _notif(rid, r, i)
                 dests.append(LandingDest(r, layers if pages_r else (), pages_r, notif,
-                                         ep.key_layers if keys else (), keys))
+                                         ep.key_layers if keys else (), keys, groups))
             unstage = None
             if r == 0 and path == "staged" and kv:
                 # the pushed pages are the chunk's pages after its reused prefix: consecutive
@@ -194,7 +197,8 @@ class Lander:
                 unstage = (first, tuple(hb for _, hb in kv), tuple(page for page, _ in kv))
             steps.append(RankLandingStep(
                 rid, T, capacity, timeout, notif, unstage,
-                host_written=r == 0 and path == "direct" and bool(kv), keys=keys, last=last))
+                host_written=r == 0 and path == "direct" and bool(kv), keys=keys, last=last,
+                layer_groups=groups))
         refs: list = [None]
         if dests:
             order = LandingOrder(rid, tuple(dests), attempts=spec.landing_attempts,

@@ -64,6 +64,22 @@ class LandingDest:
     # ``key_layers`` region: ``key_rows = (lo, row, n)``; None: no keys in this WRITE
     key_layers: tuple[RegionDesc, ...] = ()
     key_rows: tuple[int, int, int] | None = None
+    # > 1: the KV rows go as this many WRITEs by layer group (layer l in group l * G // L), each
+    # with notification ``group_notif(notif, g)`` (the keys ride with the last group), so the
+    # rank can copy group g to host while later groups are still being written
+    layer_groups: int = 1
+
+
+def group_notif(notif: bytes, group: int, groups: int) -> bytes:
+    """The notification of layer group ``group`` of a WRITE split in ``groups`` (``notif`` itself
+    when not split)."""
+    return notif if groups <= 1 else notif + b"#%d" % group
+
+
+def layer_group(layer: int, num_layers: int, groups: int) -> int:
+    """The group of ``layer`` when ``num_layers`` layers are split in ``groups`` (contiguous,
+    sizes differ by at most one)."""
+    return layer * groups // num_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +106,7 @@ class RankLandingStep:
     host_written: bool = False
     keys: tuple[int, int, int] | None = None
     last: bool = False
+    layer_groups: int = 1  # > 1: wait and unstage group by group (``LandingDest.layer_groups``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,21 +151,40 @@ def write_segments(dest: LandingDest, local: str, local_layer_stride: int, row_b
 
     With ``dest.key_rows``, also the indexer keys: from local ``key_local`` laid out ``[L, max_T,
     key_row_bytes]`` (``key_layer_stride`` bytes per layer) into ``dest.key_layers`` (row
-    ``row + r`` of each layer's region): one descriptor per layer."""
+    ``row + r`` of each layer's region): one descriptor per layer, after the KV segments."""
+    return [seg for group in write_groups(dest, local, local_layer_stride, row_bytes, page_size,
+                                          num_positions, key_local=key_local,
+                                          key_layer_stride=key_layer_stride,
+                                          key_row_bytes=key_row_bytes)
+            for seg in group]
+
+
+def write_groups(dest: LandingDest, local: str, local_layer_stride: int, row_bytes: int,
+                 page_size: int, num_positions: int, *, key_local: str = "",
+                 key_layer_stride: int = 0, key_row_bytes: int = 0
+                 ) -> list[list[WriteSegment]]:
+    """``write_segments`` split in ``dest.layer_groups`` WRITEs: group g holds the KV segments of
+    the layers with ``layer_group(l, L, G) == g``; the key segments go with the last group.
+    Empty groups are kept (every group has its notification); one group when not split."""
+    G = max(1, dest.layer_groups)
+    L = len(dest.layers)
     runs = page_runs(dest.pages, page_size, num_positions)
-    segs = [WriteSegment(local=local, local_offset=layer * local_layer_stride + lo * row_bytes,
+    groups: list[list[WriteSegment]] = [[] for _ in range(G)]
+    for layer, region in enumerate(dest.layers):
+        groups[layer_group(layer, L, G)].extend(
+            WriteSegment(local=local, local_offset=layer * local_layer_stride + lo * row_bytes,
                          nbytes=n * row_bytes, remote=region, remote_offset=row * row_bytes)
-            for layer, region in enumerate(dest.layers) for lo, row, n in runs]
+            for lo, row, n in runs)
     if dest.key_rows is not None and dest.key_rows[2] > 0:
         if not dest.key_layers or not key_local or key_row_bytes <= 0:
             raise StateError("a landing WRITE names key rows but no key regions")
         lo, row, n = dest.key_rows
-        segs += [WriteSegment(local=key_local,
-                              local_offset=layer * key_layer_stride + lo * key_row_bytes,
-                              nbytes=n * key_row_bytes, remote=region,
-                              remote_offset=row * key_row_bytes)
-                 for layer, region in enumerate(dest.key_layers)]
-    return segs
+        groups[-1] += [WriteSegment(local=key_local,
+                                    local_offset=layer * key_layer_stride + lo * key_row_bytes,
+                                    nbytes=n * key_row_bytes, remote=region,
+                                    remote_offset=row * key_row_bytes)
+                       for layer, region in enumerate(dest.key_layers)]
+    return groups
 
 
 def split_by_memory_kind(segments: Sequence[WriteSegment], local_kind: Any

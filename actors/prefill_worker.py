@@ -11,7 +11,7 @@ import time
 import torch
 
 from hisparse_ray.actors.landing import (
-    LandingOrder, PrefillResult, split_by_memory_kind, write_segments,
+    LandingOrder, PrefillResult, group_notif, split_by_memory_kind, write_groups,
 )
 from hisparse_ray.actors.spec import PrefillSpec
 from hisparse_ray.errors import CapacityError, StateError, TransferError, TransferTimeoutError
@@ -131,13 +131,17 @@ class PrefillWorker:
             try:
                 jobs = []
                 for dest in order.dests:
-                    segs = write_segments(dest, SEND_REGION, self.page_bytes_stride, self.row_bytes,
-                                          page_size, T, key_local=KEYS_REGION,
+                    groups = write_groups(dest, SEND_REGION, self.page_bytes_stride,
+                                          self.row_bytes, page_size, T, key_local=KEYS_REGION,
                                           key_layer_stride=self.key_bytes_stride,
                                           key_row_bytes=self.key_row_bytes)
-                    if segs:
-                        jobs.append((segs, dest.notif))
-                        moved += sum(s.nbytes for s in segs)
+                    if len(groups) > 1 and not all(groups):
+                        raise StateError(f"landing WRITE to rank {dest.rank} split in "
+                                         f"{len(groups)} layer groups has an empty group")
+                    for g, segs in enumerate(groups):
+                        if segs:
+                            jobs.append((segs, group_notif(dest.notif, g, len(groups))))
+                            moved += sum(s.nbytes for s in segs)
                 self._write_all(jobs, order)
             except Exception:
                 self.stats["failed_pushes"] += 1

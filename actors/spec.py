@@ -72,6 +72,10 @@ class ReplicaSpec:
         ``sched_yield`` before it blocks on a futex; None = 20 ms on hosts with >= 8 cores (a
         woken waiter costs ~60-140 us of the step's round trip; on the H200 host the yield
         phase measured 0.65-0.72x the blocking round trip at TP 2), else 1 ms.
+    landing_layer_groups: a staged landing chunk is WRITTEN as this many layer groups, each with
+        its own notification, and rank 0 copies group g to host while later groups are still in
+        flight (overlaps the NIXL WRITE with the D2H copy). 1 = one WRITE (what was measured on
+        the H200); capped at the layer count.
     """
 
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -88,6 +92,7 @@ class ReplicaSpec:
     landing_timeout_s: float = 20.0
     replica_id: str = "r0"
     step_yield_s: float | None = None
+    landing_layer_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -102,6 +107,8 @@ class ReplicaSpec:
             raise ConfigError("gpus_per_rank", self.gpus_per_rank, "resources must be >= 0")
         if self.landing_attempts < 1:
             raise ConfigError("landing_attempts", self.landing_attempts, "must be >= 1")
+        if self.landing_layer_groups < 1:
+            raise ConfigError("landing_layer_groups", self.landing_layer_groups, "must be >= 1")
         if self.step_yield_s is not None and self.step_yield_s < 50e-6:
             raise ConfigError("step_yield_s", self.step_yield_s, "must be >= 50e-6 s or None")
 

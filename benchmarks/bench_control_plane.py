@@ -148,6 +148,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=61, help="layers of the 'landing' model")
     ap.add_argument("--paths", nargs="+", choices=["direct", "staged"],
                     default=["direct", "staged"], help="landing paths to measure")
+    ap.add_argument("--layer-groups", type=int, default=1,
+                    help="ReplicaSpec.landing_layer_groups: staged WRITEs per chunk by layer "
+                         "group, copied to host group by group (overlaps WRITE and D2H)")
     ap.add_argument("--direct-max-tokens", type=int, default=None,
                     help="measure the direct path only for prompts up to this length (on a GPU "
                          "host it runs at ~0.4 GB/s: a GB takes longer than a landing attempt)")
@@ -171,7 +174,8 @@ def main() -> int:
         spec = ReplicaSpec(model=model, hisparse=hisparse, tp_size=2,
                            num_device_blocks=max(4, 256 // args.page_size),
                            staging_blocks=args.staging_blocks, page_size=args.page_size,
-                           gpus_per_rank=0.4 if gpu else 0.0, replica_id="bench")
+                           gpus_per_rank=0.4 if gpu else 0.0, replica_id="bench",
+                           landing_layer_groups=args.layer_groups)
         pspecs = [PrefillSpec(model=model, max_prompt_tokens=max(max_tokens, 256),
                               gpus=0.1 if gpu else 0.0, name=name) for name in ("direct", "staged")]
         workers = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
@@ -197,7 +201,8 @@ def main() -> int:
               "machine": f"{platform.node()} {os.cpu_count()} cores, "
                          f"{'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU only'}",
               "page_size": args.page_size, "staging_blocks": args.staging_blocks,
-              "model": dataclasses.asdict(model), "kv_bytes_per_token": per_token,
+              "landing_layer_groups": args.layer_groups, "model": dataclasses.asdict(model),
+              "kv_bytes_per_token": per_token,
               "control_plane": cp, "landing": land}
     if cp:
         _print_control(cp, result["machine"])

@@ -31,6 +31,10 @@ case "${1:-run}" in
         --paths staged --page-size 64 --staging-blocks 256 --repeats 2 \
         --out "$OUT/landing_one_chunk.json" > "$OUT/landing_one_chunk.log" 2>&1
       grep -E "$keep" "$OUT/landing_one_chunk.log" | tail -25
+      timeout 150 python3 benchmarks/bench_control_plane.py --only landing --model landing --tokens 16384 \
+        --paths staged --page-size 64 --staging-blocks 256 --repeats 2 --layer-groups 4 \
+        --out "$OUT/landing_layer_groups.json" > "$OUT/landing_layer_groups.log" 2>&1
+      grep -E "$keep" "$OUT/landing_layer_groups.log" | tail -8
       [ "${LANDING_ONLY:-0}" = 1 ] && exit 0
       timeout 100 python3 benchmarks/bench_control_plane.py --only landing --model landing --tokens 16384 \
         --page-size 64 --staging-blocks 64 --repeats 3 --paths staged \

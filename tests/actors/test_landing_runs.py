@@ -17,8 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hisparse_ray.actors.landing import (
     LandingDest, StagingPool, chunks, copy_runs, lease_run, page_positions, page_runs,
-    split_by_memory_kind,
-    unstage_runs, write_segments,
+    group_notif, layer_group, split_by_memory_kind, unstage_runs, write_groups, write_segments,
 )
 from hisparse_ray.errors import StateError
 from hisparse_ray.transfer import MemKind, RegionDesc, coalesce
@@ -64,6 +63,27 @@ def test_key_rows_are_one_segment_per_layer_after_the_kv_segments():
     assert [[s.remote.name for s in g] for g in groups] == [
         [f"host.{l}" for l in range(L)], [f"stage.{l}" for l in range(L)]]
     assert split_by_memory_kind(segs[L:], lambda name: MemKind.DEVICE) == [segs[L:]]
+
+
+def test_layer_groups_split_kv_by_layer_and_keep_keys_with_the_last_group():
+    row, page, T, stride, L, key_row, key_stride = 4, 8, 37, 4000, 4, 6, 600
+    keys = tuple(RegionDesc("peer", f"keys.{l}", 90_000 * (l + 1), 4096, 0, MemKind.DEVICE)
+                 for l in range(L))
+    pages = ((2, 7), (3, 8))
+    one = LandingDest(0, _regions(L, 64 * 8 * row), pages, b"n", keys, (16, 40, 21))
+    kw = dict(key_local="send.keys", key_layer_stride=key_stride, key_row_bytes=key_row)
+    three = LandingDest(0, one.layers, pages, b"n", keys, (16, 40, 21), layer_groups=3)
+    groups = write_groups(three, "send", stride, row, page, T, **kw)
+    assert [[s.remote.name for s in g] for g in groups] == [
+        ["stage.0", "stage.1"], ["stage.2"], ["stage.3"] + [f"keys.{l}" for l in range(L)]]
+    # the same segments as one WRITE, in the same order
+    assert [s for g in groups for s in g] == write_segments(one, "send", stride, row, page, T, **kw)
+    assert write_groups(one, "send", stride, row, page, T, **kw) == [
+        write_segments(one, "send", stride, row, page, T, **kw)]
+    assert [layer_group(l, 61, 4) for l in (0, 15, 16, 30, 31, 45, 46, 60)] == [
+        0, 0, 1, 1, 2, 2, 3, 3]
+    assert group_notif(b"land:a:0:1", 2, 3) == b"land:a:0:1#2"
+    assert group_notif(b"land:a:0:1", 0, 1) == b"land:a:0:1"
 
 
 def test_page_runs_break_on_gaps_and_after_a_partial_page():
