@@ -29,6 +29,7 @@ from hisparse_ray.hostpool import HostPool
 from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
 
 POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle
+CANCELLED_MEMORY = 4096  # failed landings remembered per rank (to stop their late calls)
 NOTIF_POLL_S = 1e-4  # landing notification polling (a 1 ms sleep added up to 1 ms per chunk)
 
 
@@ -56,9 +57,9 @@ class DecodeWorker:
         self.executor: Any = None  # hisparse_ray.worker.HiSparseWorker, after build()
         self.staging: list[torch.Tensor] = []
         self.key_staging: torch.Tensor | None = None  # [L, staging rows, key_row_bytes] uint8
-        # requests whose landing failed: their waits stop (ids are never reused by a coordinator;
-        # the set grows by one per failed landing)
-        self._cancelled: set[str] = set()
+        # requests whose landing failed: their waits stop (ids are never reused by a coordinator);
+        # the most recent CANCELLED_MEMORY are kept (a landing's calls end within its deadline)
+        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._notif_lock = threading.Lock()
         self._notifs: set[bytes] = set()
@@ -245,7 +246,9 @@ class DecodeWorker:
         """Forget a landing that failed (its keys may have reached some ranks): running and later
         ``complete_landing`` calls of it fail fast instead of waiting for their notifications."""
         with self._notif_lock:
-            self._cancelled.add(request_id)
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > CANCELLED_MEMORY:
+                self._cancelled.popitem(last=False)
         with self._lock:
             self.executor.index.pop(request_id, None)
 
