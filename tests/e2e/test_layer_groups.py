@@ -1,8 +1,8 @@
 """Staged landing written in layer groups (``ReplicaSpec.landing_layer_groups``): each group is its
 own NIXL WRITE with its own notification and rank 0 copies group g to the host pool while later
 groups are in flight. Real Ray + NIXL (UCX on CPU memory), TP 2, chunked landings (a 4-block
-staging pool), prefix reuse and concurrent submitters; every token checked against full-resident
-decode, and every lease back at the end."""
+staging pool), prefix reuse and concurrent submitters, on the GLM-5 kind (shared indexer layers);
+every token checked against full-resident decode, and every lease back at the end."""
 
 from __future__ import annotations
 
@@ -14,19 +14,21 @@ import ray
 
 from hisparse_ray.actors import launch
 from hisparse_ray.actors.reference import full_resident_tokens
-from hisparse_ray.actors.spec import PrefillSpec, ReplicaSpec
+from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
 
 pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
 
-# the tiny model has 4 layers: 3 groups of 2, 1, 1 layers
-SPEC = ReplicaSpec(tp_size=2, num_device_blocks=12, staging_blocks=4, page_size=8,
+# the tiny GLM-5 kind (4 layers, indexer on layers 0 and 2, shared on 1 and 3: the keys landed
+# by NIXL include the zero rows of the shared layers); 3 layer groups of 2, 1, 1 layers
+MODEL = ModelSpec(kind="glm_moe_dsa")
+SPEC = ReplicaSpec(model=MODEL, tp_size=2, num_device_blocks=12, staging_blocks=4, page_size=8,
                    replica_id="groups", landing_layer_groups=3)
 
 
 def test_staged_landing_in_layer_groups_matches_full_resident(ray_cluster):
     rep = launch.launch_replica(SPEC)
     try:
-        pf = launch.launch_prefill(PrefillSpec(name="groups"))
+        pf = launch.launch_prefill(PrefillSpec(model=MODEL, name="groups"))
         assert launch.connect(rep, pf, "staged") == "staged"
         rng = random.Random(11)
         shared = [rng.randrange(1, 96) for _ in range(64)]
