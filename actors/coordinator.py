@@ -178,6 +178,16 @@ class Coordinator:
             self.cond.notify_all()
         self._wake.set()
 
+    def fence(self, error: BaseException) -> None:
+        """Lander: a landing's calls outlived every deadline, so memory its request held may
+        still be written by a stalled peer. Stop the replica: no more steps or admissions, every
+        waiter gets ``StateError("replica failed: ...")`` naming ``error``."""
+        with self.cond:
+            if self._fatal is None:
+                self._fatal = error
+            self.cond.notify_all()
+        self._wake.set()
+
     def abort_requested(self, request_id: str) -> bool:
         """Lander: whether to skip this landing (the request was aborted while queued)."""
         with self.lock:
@@ -318,7 +328,7 @@ class Coordinator:
     def _step_loop(self) -> None:
         timeout = self.spec.step_timeout_s
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self._fatal is None:  # a fence stops steps
                 with self.lock:
                     for adm in self.core.poll_waiting():
                         self._dispatch(adm)

@@ -43,7 +43,7 @@ from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutErr
 from hisparse_ray.types import Admission, LandingTarget
 
 PREFILL_TIMEOUT_S = 600.0  # one prompt through the prefill model
-CALL_TIMEOUT_S = 120.0  # any other Ray call of a landing (beyond its own transfer deadlines)
+CALL_TIMEOUT_S = 120.0  # cleanup calls of a failed landing
 IN_FLIGHT = 2  # landing chunks in flight per lander (write chunk i+1 while chunk i is copied)
 
 if TYPE_CHECKING:
@@ -217,32 +217,47 @@ class Lander:
 
     def _finish(self, item) -> None:
         """Wait for one chunk's calls, account its bytes and seconds, release its staging run.
-        On a failure, first let the chunk's other calls finish (bounded): a key install must not
-        land on a rank after the cleanup dropped the request there, and no staging block returns
-        to the pool under a live WRITE or copy."""
+
+        A failed push cancels the ranks' notification waits at once. Every call of the chunk must
+        END before its staging run returns to the pool (no block is reused under a live WRITE or
+        copy). Calls still running past every deadline (``landing_attempts x landing_timeout_s +
+        landing_call_timeout_s``: a stalled rank or prefill process) may still let a cancelled
+        WRITE's bytes land later, anywhere in the blocks the request held: the lander then FENCES
+        the replica (``Coordinator.fence``: it stops stepping and admitting, every waiter gets a
+        typed error) and keeps the staging run leased, instead of reusing memory that may still
+        be written."""
         rid, refs, blocks = item
+        spec = self.coord.spec
         live = [r for r in refs if r is not None]
-        deadline = self.coord.spec.landing_attempts * self.coord.spec.landing_timeout_s \
-            + CALL_TIMEOUT_S
-        try:
-            out = ray.get(live, timeout=deadline)
-        except Exception:
-            # a failed push leaves the ranks waiting for a notification that will not come:
-            # cancel those waits first, then let every call of the chunk end
-            for rank in self.coord.ranks:
-                rank.drop_landing.remote(rid)
-            ray.wait(live, num_returns=len(live), timeout=deadline)
-            if blocks:
-                self.staging.release(blocks)
-            raise
+        deadline = spec.landing_attempts * spec.landing_timeout_s + spec.landing_call_timeout_s
+        if refs[0] is not None:
+            try:
+                ray.get(refs[0], timeout=deadline)
+            except Exception:  # raised below from ray.get(live), or fenced
+                self._cancel(rid)
+        _, pending = ray.wait(live, num_returns=len(live), timeout=deadline)
+        if pending:
+            self._cancel(rid)
+            err = TransferTimeoutError(
+                f"{len(pending)} call(s) of a landing still running {deadline:.3g} s after their "
+                f"deadline (a stalled rank or prefill worker): blocks it wrote may still change, "
+                f"so replica {spec.replica_id!r} stops", rid)
+            self.coord.fence(err)
+            raise err
         if blocks:
             self.staging.release(blocks)
+        out = ray.get(live)  # every call ended: raises the first failure
         if refs[0] is not None:
             moved, seconds = out[0]
             self._moved += moved
             self._data_s += seconds
             out = out[1:]
         self._data_s += sum(out)
+
+    def _cancel(self, rid: str) -> None:
+        """Stop the ranks' waits for ``rid``'s notifications (fire and forget)."""
+        for rank in self.coord.ranks:
+            rank.drop_landing.remote(rid)
 
     def _abandon(self, rid: str, inflight: collections.deque) -> None:
         """A chunk failed: cancel the request's waits on the ranks, then wait out (bounded) every

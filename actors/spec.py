@@ -68,6 +68,9 @@ class ReplicaSpec:
     max_batch: most requests per decode step. step_timeout_s: how long the coordinator waits for a
         rank's report before it declares the rank lost.
     landing_attempts / landing_timeout_s: NIXL WRITE retries and per-attempt deadline.
+    landing_call_timeout_s: how much longer than ``landing_attempts x landing_timeout_s`` a
+        landing's Ray calls may run; past it the replica is fenced (stopped with a typed error),
+        since a stalled peer may still write into blocks that would otherwise be reused.
     step_yield_s: how long a step-channel waiter (coordinator, ranks) keeps its core with
         ``sched_yield`` before it blocks on a futex; None = 20 ms on hosts with >= 8 cores (a
         woken waiter costs ~60-140 us of the step's round trip; on the H200 host the yield
@@ -93,6 +96,7 @@ class ReplicaSpec:
     replica_id: str = "r0"
     step_yield_s: float | None = None
     landing_layer_groups: int = 1
+    landing_call_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -107,6 +111,8 @@ class ReplicaSpec:
             raise ConfigError("gpus_per_rank", self.gpus_per_rank, "resources must be >= 0")
         if self.landing_attempts < 1:
             raise ConfigError("landing_attempts", self.landing_attempts, "must be >= 1")
+        if self.landing_call_timeout_s <= 0:
+            raise ConfigError("landing_call_timeout_s", self.landing_call_timeout_s, "must be > 0")
         if self.landing_layer_groups < 1:
             raise ConfigError("landing_layer_groups", self.landing_layer_groups, "must be >= 1")
         if self.step_yield_s is not None and self.step_yield_s < 50e-6:

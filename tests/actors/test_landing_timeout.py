@@ -121,3 +121,39 @@ def test_resumed_replica_serves_the_next_requests_exactly(replica):
         assert rows[rid]["tokens"] == ref[rid], rid
     assert {rows[r]["target"] for r in ("after-host", "after-res")} == {"host", "resident"}
     _no_lease_held(rep)
+
+
+def test_a_landing_outliving_every_deadline_fences_the_replica(ray_cluster):
+    """Rank 0 stays stopped past attempts x timeout + landing_call_timeout_s: its landing call
+    cannot end, so a cancelled WRITE could still land in blocks the request held. The replica
+    must stop (no reuse of that memory): waiters and new submits get a typed error naming it."""
+    from hisparse_ray.actors.prefill_worker import PrefillWorker
+    from hisparse_ray.errors import StateError
+
+    spec = ReplicaSpec(tp_size=1, num_device_blocks=12, staging_blocks=4, page_size=8,
+                       replica_id="fence", landing_attempts=1, landing_timeout_s=1.0,
+                       landing_call_timeout_s=1.0)
+    pspec = PrefillSpec(name="fence-prefill")
+    worker = launch._remote(PrefillWorker, **launch.prefill_options(pspec)).remote(pspec)
+    rep = launch.launch_replica(spec)
+    pid = None
+    try:
+        ray.get(worker.ready.remote(), timeout=120)
+        launch.connect(rep, worker, "auto")
+        pid = ray.get(rep.ranks[0].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not _stopped(pid):
+            assert time.monotonic() < deadline, "SIGSTOP did not take effect"
+            time.sleep(1e-3)
+        ray.get(rep.coordinator.submit.remote("fenced", _prompt(random.Random(5), 100), 4),
+                timeout=30)
+        with pytest.raises(StateError, match="replica failed.*still running"):
+            ray.get(rep.coordinator.wait.remote(["fenced"], 120), timeout=150)
+        with pytest.raises(StateError, match="replica failed"):
+            ray.get(rep.coordinator.submit.remote("late", [1, 2, 3], 2), timeout=30)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        rep.shutdown()
+        ray.kill(worker)
