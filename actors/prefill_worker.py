@@ -97,7 +97,9 @@ class PrefillWorker:
         with self._lock:
             self._held = None
             keys = None
-            if T:
+            if T and self.spec.synthetic_kv:
+                keys = self._synthetic(T, tokens)
+            elif T:
                 ids = torch.tensor(tokens, dtype=torch.int64, device=self.spec.device)
                 _, rows, keys = self.model.prefill(ids)
                 self.send[:, :T] = rows.contiguous().view(torch.uint8).reshape(
@@ -112,6 +114,20 @@ class PrefillWorker:
         self.stats["prefills"] += 1
         self.stats["prefill_s"] += dt
         return PrefillResult(request_id, T, keys, dt)
+
+    def _synthetic(self, T: int, tokens: list[int]) -> torch.Tensor:
+        """``PrefillSpec.synthetic_kv`` (benchmarks): fill rows and keys of positions ``0..T-1``
+        layer by layer with normal values seeded by the prompt; returns the keys ``[L, T, d]``."""
+        cfg, dtype, dev = self.model.cfg, self.model.dtype, self.spec.device
+        gen = torch.Generator(device=dev).manual_seed(hash(tuple(tokens[:64])) & 0x7FFFFFFF)
+        keys = torch.empty(self.num_layers, T, cfg.index_head_dim, dtype=dtype, device=dev)
+        for layer in range(self.num_layers):
+            rows = torch.randn(T, cfg.row_dim, generator=gen, device=dev).to(dtype)
+            self.send[layer, :T] = rows.view(torch.uint8).reshape(T, self.row_bytes)
+            keys[layer] = torch.randn(T, cfg.index_head_dim, generator=gen, device=dev).to(dtype)
+            self.send_keys[layer, :T] = keys[layer].view(torch.uint8).reshape(
+                T, self.key_row_bytes)
+        return keys
 
     def push(self, order: LandingOrder, page_size: int, drop_after: bool = False
              ) -> tuple[int, float]:

@@ -153,13 +153,19 @@ class ReplicaSpec:
 @dataclass(frozen=True, slots=True)
 class PrefillSpec:
     """One prefill worker: the same model, on any node. ``max_prompt_tokens`` sizes its registered
-    send buffer (one prompt's KV, all layers)."""
+    send buffer (one prompt's KV, all layers).
+
+    synthetic_kv: BENCHMARKS ONLY. ``prefill`` skips the model and fills the send buffers with
+    seeded normal values of the model dtype (KV rows and indexer keys of the right shapes), so
+    landings of 64K-128K tokens can be timed without minutes of dense prefill per prompt. The
+    landing path is the real one; the tokens decoded afterwards are meaningless."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     max_prompt_tokens: int = 4096
     gpus: float = 0.0
     cpus: float = 0.5
     name: str = "prefill0"
+    synthetic_kv: bool = False
 
     @property
     def use_cuda(self) -> bool:

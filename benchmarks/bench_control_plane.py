@@ -151,6 +151,10 @@ def main() -> int:
     ap.add_argument("--layer-groups", type=int, default=1,
                     help="ReplicaSpec.landing_layer_groups: staged WRITEs per chunk by layer "
                          "group, copied to host group by group (overlaps WRITE and D2H)")
+    ap.add_argument("--synthetic-prefill", action="store_true",
+                    help="prefill workers fill their send buffers with random KV instead of "
+                         "running the model (PrefillSpec.synthetic_kv): times landings of "
+                         "64K-128K tokens without minutes of dense prefill each")
     ap.add_argument("--direct-max-tokens", type=int, default=None,
                     help="measure the direct path only for prompts up to this length (on a GPU "
                          "host it runs at ~0.4 GB/s: a GB takes longer than a landing attempt)")
@@ -177,7 +181,9 @@ def main() -> int:
                            gpus_per_rank=0.4 if gpu else 0.0, replica_id="bench",
                            landing_layer_groups=args.layer_groups)
         pspecs = [PrefillSpec(model=model, max_prompt_tokens=max(max_tokens, 256),
-                              gpus=0.1 if gpu else 0.0, name=name) for name in ("direct", "staged")]
+                              gpus=0.1 if gpu else 0.0, name=name,
+                              synthetic_kv=args.synthetic_prefill)
+                  for name in ("direct", "staged")]
         workers = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
                    for p in pspecs]
         t0 = time.perf_counter()
@@ -202,6 +208,7 @@ def main() -> int:
                          f"{'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU only'}",
               "page_size": args.page_size, "staging_blocks": args.staging_blocks,
               "landing_layer_groups": args.layer_groups, "model": dataclasses.asdict(model),
+              "synthetic_prefill": args.synthetic_prefill,
               "kv_bytes_per_token": per_token,
               "control_plane": cp, "landing": land}
     if cp:

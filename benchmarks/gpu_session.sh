@@ -3,7 +3,10 @@
 # Call 1 (carry .device-wheels/ray):   bash benchmarks/gpu_session.sh ray
 # Call 2 (carry .device-wheels/nixl):  bash benchmarks/gpu_session.sh run [pytest paths...]
 #   or, for the actor system only:     bash benchmarks/gpu_session.sh actors [pytest paths...]
-#   or, host landing at DeepSeek-V3.2 KV size: bash benchmarks/gpu_session.sh landing
+#   or, host landing at DeepSeek-V3.2 KV size:  bash benchmarks/gpu_session.sh landing
+#   or, landings of 64K / 128K tokens:           bash benchmarks/gpu_session.sh landing-big
+#   or, control plane (codec, channel, actors):  bash benchmarks/gpu_session.sh control
+# (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -13,7 +16,7 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing)
+  run|actors|landing|landing-big|control)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -23,30 +26,34 @@ case "${1:-run}" in
       python3 -m pip install --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -5
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     python3 -c "import torch, cupy, ray, nixl, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
-    if [ "$mode" = landing ]; then
-      # full logs under $OUT; the reply shows progress lines and tables only
-      keep='^ +\[|replica up|^landing|^path|^direct|^staged|^control|^measure|^shm|^ray|^Ray|^[a-z_ ]+[0-9.]+ +[0-9.]+|Error|error'
-      df -h /dev/shm | tail -1
-      timeout 280 python3 benchmarks/bench_control_plane.py --only landing --model landing --tokens 8192 16384 \
-        --paths staged --page-size 64 --staging-blocks 256 --repeats 2 \
-        --out "$OUT/landing_one_chunk.json" > "$OUT/landing_one_chunk.log" 2>&1
-      grep -E "$keep" "$OUT/landing_one_chunk.log" | tail -25
-      timeout 150 python3 benchmarks/bench_control_plane.py --only landing --model landing --tokens 16384 \
-        --paths staged --page-size 64 --staging-blocks 256 --repeats 2 --layer-groups 4 \
-        --out "$OUT/landing_layer_groups.json" > "$OUT/landing_layer_groups.log" 2>&1
-      grep -E "$keep" "$OUT/landing_layer_groups.log" | tail -8
-      [ "${LANDING_ONLY:-0}" = 1 ] && exit 0
-      timeout 100 python3 benchmarks/bench_control_plane.py --only landing --model landing --tokens 16384 \
-        --page-size 64 --staging-blocks 64 --repeats 3 --paths staged \
-        --out "$OUT/landing_chunks.json" > "$OUT/landing_chunks.log" 2>&1
-      grep -E "$keep" "$OUT/landing_chunks.log" | tail -10
-      timeout 100 python3 benchmarks/bench_channel.py --configs old codec new yield \
-        --out "$OUT/channel.json" > "$OUT/channel.log" 2>&1; tail -30 "$OUT/channel.log"
-      timeout 120 python3 benchmarks/bench_control_plane.py --only control --probes 1000 \
-        --out "$OUT/control_plane.json" > "$OUT/control_plane.log" 2>&1
-      grep -E "$keep" "$OUT/control_plane.log" | tail -10
-      exit 0
-    fi
+    # full logs under $OUT; the reply shows progress lines and tables only
+    keep='^ +\[|replica up|^landing|^path|^direct|^staged|^control|^measure|^shm|^ray|^Ray|^[a-z_ ]+[0-9.]+ +[0-9.]+|Error|error'
+    land() {  # land NAME TIMEOUT ARGS...: one bench_control_plane landing run
+      local name=$1 t=$2; shift 2
+      timeout "$t" python3 benchmarks/bench_control_plane.py --only landing --model landing \
+        --paths staged --page-size 64 --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+      grep -E "$keep" "$OUT/$name.log" | tail -12
+    }
+    case "$mode" in
+      landing)  # ~5 min: real prefill, 8K and 16K tokens, 1 vs 4 layer groups
+        df -h /dev/shm | tail -1
+        land landing_g1 260 --tokens 8192 16384 --staging-blocks 256 --repeats 2
+        land landing_g4 150 --tokens 16384 --staging-blocks 256 --repeats 2 --layer-groups 4
+        exit 0 ;;
+      landing-big)  # ~5 min: 64K and 128K tokens (4.6 / 9.2 GB of KV), synthetic prefill
+        for g in 1 4; do
+          land "landing_big_g$g" 150 --tokens 65536 131072 --staging-blocks 2048 --repeats 2 \
+            --synthetic-prefill --layer-groups "$g"
+        done
+        exit 0 ;;
+      control)  # ~4 min: codec/channel bench and the actor system's control plane
+        timeout 100 python3 benchmarks/bench_channel.py --configs old codec new yield \
+          --out "$OUT/channel.json" > "$OUT/channel.log" 2>&1; tail -30 "$OUT/channel.log"
+        timeout 120 python3 benchmarks/bench_control_plane.py --only control --probes 1000 \
+          --out "$OUT/control_plane.json" > "$OUT/control_plane.log" 2>&1
+        grep -E "$keep" "$OUT/control_plane.log" | tail -10
+        exit 0 ;;
+    esac
     paths=("$@")
     [ ${#paths[@]} -gt 0 ] || paths=(tests)
     timeout 330 python3 -m pytest -q -m gpu -s -p no:cacheprovider "${paths[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40

@@ -81,3 +81,40 @@ def test_push_needs_the_held_request_and_a_known_peer(peers):
         assert pw.get_stats()["failed_pushes"] == 1
     finally:
         pw.add_peer(target.agent_metadata())
+
+
+def test_keys_travel_with_the_kv_and_synthetic_prefill_fills_both_buffers():
+    """Keys by NIXL: a WRITE with key rows lands the prefill's indexer keys byte for byte next to
+    its KV rows, and ``keys_inline=False`` returns none through Ray. ``synthetic_kv`` (benchmarks)
+    fills rows and keys with finite values, the same for the same prompt, without the model."""
+    pw = PrefillWorker(PrefillSpec(max_prompt_tokens=16, name="keys"))
+    syn = PrefillWorker(PrefillSpec(max_prompt_tokens=16, name="syn", synthetic_kv=True))
+    target = NixlTransferEngine("keys-target")
+    try:
+        kv = [torch.zeros(4 * PAGE, pw.row_bytes, dtype=torch.uint8) for _ in range(pw.num_layers)]
+        keys = [torch.zeros(4 * PAGE, pw.key_row_bytes, dtype=torch.uint8)
+                for _ in range(pw.num_layers)]
+        kv_regions = tuple(target.register(f"kv.{l}", t) for l, t in enumerate(kv))
+        key_regions = tuple(target.register(f"keys.{l}", t) for l, t in enumerate(keys))
+        pw.add_peer(target.agent_metadata())
+        tokens = [3, 1, 4, 1, 5, 9, 2]
+        assert pw.prefill("k", tokens, keys_inline=False).index_keys is None
+        dest = LandingDest(0, kv_regions, ((0, 2), (1, 3)), b"land:k", key_regions, (0, 5, 7))
+        moved, _ = pw.push(LandingOrder("k", (dest,)), PAGE)
+        assert moved == 7 * pw.num_layers * (pw.row_bytes + pw.key_row_bytes)
+        assert _notifications(target, 1) == [b"land:k"]
+        _, rows, want_keys = pw.model.prefill(torch.tensor(tokens))
+        for l in range(pw.num_layers):
+            assert torch.equal(kv[l][2 * PAGE: 2 * PAGE + 7],
+                               rows[l].contiguous().view(torch.uint8))
+            assert torch.equal(keys[l][5:12], want_keys[l].contiguous().view(torch.uint8))
+        got = syn.prefill("s", tokens).index_keys
+        assert got.shape == (pw.num_layers, 7, pw.model.cfg.index_head_dim)
+        first = syn.send[:, :7].clone()
+        assert torch.isfinite(syn.send[:, :7].view(syn.model.dtype)).all() and first.any()
+        syn.prefill("s2", tokens)
+        assert torch.equal(syn.send[:, :7], first)  # seeded by the prompt
+    finally:
+        pw.shutdown()
+        syn.shutdown()
+        target.close()
