@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from hisparse_ray.actors.landing import (
-    LandingDest, LandingOrder, RankLandingStep, StagingPool, chunks, lease_run, page_positions,
+    LandingOrder, StagingPool, chunk_pages, lease_run, page_positions, plan_chunk,
 )
 from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutError
 from hisparse_ray.types import Admission, LandingTarget
@@ -123,13 +123,9 @@ class Lander:
         t0 = time.perf_counter()
         self._moved, self._data_s = 0, 0.0
         capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
-        pages = [p for p in range(-(-T // P))] if keys_nixl else sorted(block)
-        if staged and pages:
-            size = self.staging.capacity if len(pages) <= self.staging.capacity \
-                else max(1, self.staging.capacity // IN_FLIGHT)
-            parts = chunks(pages, size)
-        else:
-            parts = [tuple(pages)]
+        pages = list(range(-(-T // P))) if keys_nixl else sorted(block)
+        parts = chunk_pages(pages, self.staging.capacity, IN_FLIGHT) if staged \
+            else [tuple(pages)]
         inflight: collections.deque = collections.deque()
         try:
             for i, part in enumerate(parts):
@@ -159,46 +155,12 @@ class Lander:
         push; pages missing from it are reused and get only their keys), staging run ``blocks``
         (page ``part[j]`` -> ``blocks[j]``) or (). Issues one push (if anything is written) and
         one ``complete_landing`` per rank, all at once. Returns [push ref or None, rank refs]."""
-        spec, ranks, eps = self.coord.spec, self.coord.ranks, self.coord.endpoints
-        rid, P, T = adm.request_id, spec.page_size, adm.num_positions
-        slot = {page: blocks[j] for j, page in enumerate(part)} if blocks else {}
-        timeout = spec.landing_timeout_s * spec.landing_attempts
-        kv = [(page, block[page]) for page in part if page in block]
-        keys = None
-        if blocks and eps[0].key_layers:  # this chunk's positions, all pages (reused ones too)
-            lo = part[0] * P
-            keys = (lo, blocks[0] * P, min(T, (part[-1] + 1) * P) - lo)
-        dests, steps = [], []
-        for ep in eps:
-            r = ep.rank
-            if path == "resident":
-                pages_r, layers = tuple(kv), ep.device_layers
-            elif r == 0 and path == "direct":
-                pages_r, layers = tuple(kv), ep.host_layers
-            elif r == 0:  # staged: page j of the chunk into staging block blocks[j]
-                pages_r = tuple((page, slot[page]) for page, _ in kv)
-                layers = ep.staging_layers
-            else:
-                pages_r, layers = (), ()
-            notif = None
-            # staged KV: split in layer groups so rank 0 copies group g while g+1 is written
-            groups = min(spec.landing_layer_groups, len(layers)) \
-                if pages_r and r == 0 and path == "staged" else 1
-            if pages_r or keys is not None:
-                notif = _notif(rid, r, i)
-                dests.append(LandingDest(r, layers if pages_r else (), pages_r, notif,
-                                         ep.key_layers if keys else (), keys, groups))
-            unstage = None
-            if r == 0 and path == "staged" and kv:
-                # the pushed pages are the chunk's pages after its reused prefix: consecutive
-                # staging blocks (unstage_run's contract)
-                first = slot[kv[0][0]]
-                assert [slot[page] for page, _ in kv] == list(range(first, first + len(kv)))
-                unstage = (first, tuple(hb for _, hb in kv), tuple(page for page, _ in kv))
-            steps.append(RankLandingStep(
-                rid, T, capacity, timeout, notif, unstage,
-                host_written=r == 0 and path == "direct" and bool(kv), keys=keys, last=last,
-                layer_groups=groups))
+        spec, ranks = self.coord.spec, self.coord.ranks
+        rid, P = adm.request_id, spec.page_size
+        dests, steps = plan_chunk(
+            rid, adm.num_positions, P, path, block, part, blocks, i, last, capacity,
+            self.coord.endpoints, timeout_s=spec.landing_timeout_s * spec.landing_attempts,
+            layer_groups=spec.landing_layer_groups)
         refs: list = [None]
         if dests:
             order = LandingOrder(rid, tuple(dests), attempts=spec.landing_attempts,
@@ -271,10 +233,6 @@ class Lander:
                 self._finish(inflight.popleft())
             except Exception:
                 pass
-
-
-def _notif(rid: str, rank: int, chunk: int) -> bytes:
-    return f"land:{rid}:{rank}:{chunk}".encode()
 
 
 def _typed(err: BaseException, rid: str) -> HiSparseError:

@@ -134,6 +134,76 @@ class PrefillResult:
     prefill_s: float
 
 
+def landing_notif(request_id: str, rank: int, chunk: int) -> bytes:
+    """The notification tag of ``request_id``'s WRITE to ``rank`` for landing chunk ``chunk``."""
+    return f"land:{request_id}:{rank}:{chunk}".encode()
+
+
+def chunk_pages(pages: Sequence[int], capacity: int, in_flight: int = 2) -> list[tuple]:
+    """The lander's chunks of ``pages``: one chunk when they fit the staging pool's
+    ``capacity`` blocks, else chunks of ``capacity // in_flight`` (>= 1) so that ``in_flight``
+    chunks can be leased at once."""
+    if not pages:
+        return [()]
+    size = capacity if len(pages) <= capacity else max(1, capacity // in_flight)
+    return chunks(pages, size)
+
+
+def plan_chunk(request_id: str, num_positions: int, page_size: int, path: str,
+               block: dict[int, int], part: tuple, run: tuple, chunk: int, last: bool,
+               capacity: int, endpoints: Sequence[RankEndpoint], *, timeout_s: float,
+               layer_groups: int = 1) -> tuple[list[LandingDest], list[RankLandingStep]]:
+    """The WRITEs and the per-rank steps of one landing chunk (pure; the lander issues them).
+
+    ``path``: "resident" (KV into every rank's device blocks), "direct" (rank 0's host blocks)
+    or "staged" (rank 0's staging run, then copied to host). ``block[page]``: the target block of
+    each page to push (pages absent from it are reused: only their keys travel). ``part``: the
+    chunk's pages; ``run``: its staging run (page ``part[j]`` -> staging block ``run[j]``), or ()
+    when the chunk leases none. With key staging on the ranks and a run, every rank also gets
+    the indexer keys of all the chunk's positions. Returns one ``LandingDest`` per rank that is
+    written and one ``RankLandingStep`` per rank (in endpoint order)."""
+    T, P = num_positions, page_size
+    slot = {page: run[j] for j, page in enumerate(part)} if run else {}
+    kv = [(page, block[page]) for page in part if page in block]
+    keys = None
+    if run and endpoints[0].key_layers:  # this chunk's positions, all pages (reused ones too)
+        lo = part[0] * P
+        keys = (lo, run[0] * P, min(T, (part[-1] + 1) * P) - lo)
+    dests, steps = [], []
+    for ep in endpoints:
+        r = ep.rank
+        if path == "resident":
+            pages_r, layers = tuple(kv), ep.device_layers
+        elif r == 0 and path == "direct":
+            pages_r, layers = tuple(kv), ep.host_layers
+        elif r == 0:  # staged: page j of the chunk into staging block run[j]
+            pages_r = tuple((page, slot[page]) for page, _ in kv)
+            layers = ep.staging_layers
+        else:
+            pages_r, layers = (), ()
+        # staged KV: split in layer groups so rank 0 copies group g while g+1 is written
+        groups = min(layer_groups, len(layers)) if pages_r and r == 0 and path == "staged" else 1
+        notif = None
+        if pages_r or keys is not None:
+            notif = landing_notif(request_id, r, chunk)
+            dests.append(LandingDest(r, layers if pages_r else (), pages_r, notif,
+                                     ep.key_layers if keys else (), keys, groups))
+        unstage = None
+        if r == 0 and path == "staged" and kv:
+            # the pushed pages are the chunk's pages after its reused prefix: consecutive
+            # staging blocks (unstage_run's contract)
+            first = slot[kv[0][0]]
+            if [slot[page] for page, _ in kv] != list(range(first, first + len(kv))):
+                raise StateError(f"landing chunk {chunk} of {request_id!r}: pushed pages "
+                                 f"{[p for p, _ in kv]} are not consecutive in staging")
+            unstage = (first, tuple(hb for _, hb in kv), tuple(page for page, _ in kv))
+        steps.append(RankLandingStep(
+            request_id, T, capacity, timeout_s, notif, unstage,
+            host_written=r == 0 and path == "direct" and bool(kv), keys=keys, last=last,
+            layer_groups=groups))
+    return dests, steps
+
+
 def page_positions(page: int, page_size: int, num_positions: int) -> tuple[int, int]:
     """(first position, count) of ``page`` clipped to ``num_positions``; count may be 0."""
     lo = page * page_size
