@@ -14,9 +14,9 @@ from hisparse_ray.actors.landing import (
     LandingOrder, PrefillResult, group_notif, split_by_memory_kind, write_groups,
 )
 from hisparse_ray.actors.spec import PrefillSpec
-from hisparse_ray.errors import CapacityError, StateError, TransferError, TransferTimeoutError
+from hisparse_ray.errors import CapacityError, StateError
 from hisparse_ray.transfer import (
-    MemKind, NixlTransferEngine, TransferEngine, WriteSegment, wait, write_with_retry,
+    MemKind, NixlTransferEngine, TransferEngine, WriteSegment, write_all_with_retry,
 )
 
 SEND_REGION = "send"
@@ -97,16 +97,17 @@ class PrefillWorker:
         with self._lock:
             self._held = None
             keys = None
-            if T and self.spec.synthetic_kv:
-                keys = self._synthetic(T, tokens)
-            elif T:
-                ids = torch.tensor(tokens, dtype=torch.int64, device=self.spec.device)
-                _, rows, keys = self.model.prefill(ids)
-                self.send[:, :T] = rows.contiguous().view(torch.uint8).reshape(
-                    self.num_layers, T, self.row_bytes)
-                self.send_keys[:, :T] = keys.contiguous().view(torch.uint8).reshape(
-                    self.num_layers, T, self.key_row_bytes)
-                if self.send.is_cuda:
+            if T:
+                if self.spec.synthetic_kv:
+                    keys = self._synthetic(T, tokens)
+                else:
+                    ids = torch.tensor(tokens, dtype=torch.int64, device=self.spec.device)
+                    _, rows, keys = self.model.prefill(ids)
+                    self.send[:, :T] = rows.contiguous().view(torch.uint8).reshape(
+                        self.num_layers, T, self.row_bytes)
+                    self.send_keys[:, :T] = keys.contiguous().view(torch.uint8).reshape(
+                        self.num_layers, T, self.key_row_bytes)
+                if self.send.is_cuda:  # NIXL reads the buffers outside torch's stream order
                     torch.cuda.synchronize()
                 keys = keys.float().cpu().numpy() if keys_inline else None
             self._held = (request_id, T)
@@ -129,13 +130,11 @@ class PrefillWorker:
                 T, self.key_row_bytes)
         return keys
 
-    def push(self, order: LandingOrder, page_size: int, drop_after: bool = False
-             ) -> tuple[int, float]:
+    def push(self, order: LandingOrder, page_size: int) -> tuple[int, float]:
         """WRITE ``order``'s pages of the held request (one WRITE + notification per dest, with
         retries; consecutive pages into consecutive blocks are one descriptor per layer);
-        returns (bytes moved, seconds from the first post to the last DONE). ``drop_after``:
-        free the send buffer once every WRITE is DONE (the request's last push; saves the
-        lander a ``drop`` call).
+        returns (bytes moved, seconds from the first post to the last DONE). Pushes of one
+        request may run in any order; ``drop`` frees the send buffers.
         TransferError / TransferTimeoutError after the last attempt, tagged with the request id."""
         with self._lock:
             if self._held is None or self._held[0] != order.request_id:
@@ -166,8 +165,6 @@ class PrefillWorker:
             self.stats["pushes"] += 1
             self.stats["pushed_bytes"] += moved
             self.stats["push_s"] += dt
-            if drop_after:
-                self._held = None
             return moved, dt
 
     def _write_all(self, jobs: list[tuple[list[WriteSegment], bytes]], order: LandingOrder
@@ -176,42 +173,16 @@ class PrefillWorker:
         the job's bytes arrived). A job whose segments span memory kinds (KV rows into DRAM plus
         keys into VRAM) is split (``split_by_memory_kind``): its leading groups are written and
         DONE first without a notification, then its last group carries the notification. In each
-        phase every WRITE is posted before any is awaited, so the ranks' WRITEs overlap; a WRITE
-        that failed or timed out is re-posted alone with the attempts left."""
+        phase every WRITE is posted before any is awaited, so the ranks' WRITEs overlap
+        (``write_all_with_retry``: failed ones are re-posted up to ``order.attempts`` times)."""
         kind = lambda name: self.engine.region(name).kind  # noqa: E731
         split = [(split_by_memory_kind(segs, kind), notif) for segs, notif in jobs]
-        self._write_phase([(g, b"") for groups, _ in split for g in groups[:-1]], order)
-        self._write_phase([(groups[-1], notif) for groups, notif in split], order)
-
-    def _write_phase(self, jobs: list[tuple[list[WriteSegment], bytes]], order: LandingOrder
-                     ) -> None:
-        posted, failed = [], []
-        for segs, notif in jobs:
-            try:
-                posted.append((segs, notif, self.engine.post_write(segs, notif)))
-            except TransferError as err:
-                failed.append((segs, notif, err))
-        for segs, notif, xfer in posted:
-            try:
-                wait(self.engine, xfer, order.timeout_s)
-            except TransferError as err:
-                failed.append((segs, notif, err))
-            finally:
-                try:
-                    self.engine.release(xfer)
-                except TransferError:
-                    pass  # a stuck handle cannot be cancelled; the engine drops it on close
-        for segs, notif, err in failed:
-            if order.attempts > 1:
-                try:
-                    write_with_retry(self.engine, segs, notif, attempts=order.attempts - 1,
-                                     timeout_s=order.timeout_s, request_id=order.request_id)
-                    continue
-                except TransferError as again:  # "after n attempt(s): <last error>"
-                    err = again
-                    err.message = again.message.split(": ", 1)[-1]
-            kind = TransferTimeoutError if isinstance(err, TransferTimeoutError) else TransferError
-            raise kind(f"after {order.attempts} attempt(s): {err.message}", order.request_id)
+        retry = dict(attempts=order.attempts, timeout_s=order.timeout_s,
+                     request_id=order.request_id)
+        write_all_with_retry(self.engine, [(g, b"") for groups, _ in split for g in groups[:-1]],
+                             **retry)
+        write_all_with_retry(self.engine, [(groups[-1], notif) for groups, notif in split],
+                             **retry)
 
     def drop(self, request_id: str) -> None:
         with self._lock:

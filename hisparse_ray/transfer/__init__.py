@@ -9,6 +9,7 @@ from hisparse_ray.transfer.base import (
     XferState,
     coalesce,
     wait,
+    write_all_with_retry,
     write_with_retry,
 )
 from hisparse_ray.transfer.loopback import LoopbackFabric, LoopbackTransferEngine
@@ -25,5 +26,6 @@ __all__ = [
     "XferState",
     "coalesce",
     "wait",
+    "write_all_with_retry",
     "write_with_retry",
 ]

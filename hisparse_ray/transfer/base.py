@@ -137,31 +137,49 @@ def wait(engine: TransferEngine, xfer_id: int, timeout_s: float, *, poll_sleep_s
 def write_with_retry(engine: TransferEngine, segments: Sequence[WriteSegment],
                      notif: bytes = b"", *, attempts: int = 3, timeout_s: float = 10.0,
                      request_id: Any = None) -> None:
-    """Post, wait and release one WRITE, re-posting it up to ``attempts`` times in total.
+    """Post, wait and release one WRITE, re-posting it up to ``attempts`` times in total
+    (``write_all_with_retry`` of one job)."""
+    write_all_with_retry(engine, [(segments, notif)], attempts=attempts, timeout_s=timeout_s,
+                         request_id=request_id)
+
+
+def write_all_with_retry(engine: TransferEngine,
+                         jobs: Sequence[tuple[Sequence[WriteSegment], bytes]], *,
+                         attempts: int = 3, timeout_s: float = 10.0,
+                         request_id: Any = None) -> None:
+    """Post every WRITE of ``jobs`` (``(segments, notification)`` pairs) before waiting for any,
+    so they overlap; wait for each (``timeout_s``) and release it; re-post the ones that failed
+    or timed out, together, until each was posted ``attempts`` times in total.
 
     A WRITE is idempotent (same bytes to the same place), so re-posting after a failure is safe;
     the notification may then arrive more than once and receivers must tolerate duplicates.
-    Raises the last ``TransferError`` (``TransferTimeoutError`` if the last attempt timed out),
-    tagged with ``request_id``.
+    Raises the first error of the last round (``TransferTimeoutError`` if that WRITE timed out,
+    else ``TransferError``), tagged with ``request_id``.
     """
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
-    last: TransferError | None = None
+    todo = list(jobs)
     for _ in range(attempts):
-        xfer_id = None
-        try:
-            xfer_id = engine.post_write(segments, notif)
-            wait(engine, xfer_id, timeout_s)
-            return
-        except TransferError as err:
-            last = err
-        finally:
-            if xfer_id is not None:
+        posted, failed = [], []
+        for job in todo:
+            try:
+                posted.append((job, engine.post_write(job[0], job[1])))
+            except TransferError as err:
+                failed.append((job, err))
+        for job, xfer_id in posted:
+            try:
+                wait(engine, xfer_id, timeout_s)
+            except TransferError as err:
+                failed.append((job, err))
+            finally:
                 try:
                     engine.release(xfer_id)
                 except TransferError:
                     pass  # a stuck handle cannot be cancelled; the engine drops it on close
-    assert last is not None
+        if not failed:
+            return
+        todo = [job for job, _ in failed]
+    last = failed[0][1]
     msg = f"after {attempts} attempt(s): {last.message}"
     if isinstance(last, TransferTimeoutError):
         raise TransferTimeoutError(msg, request_id)
