@@ -206,18 +206,19 @@ class DecodeWorker:
         """The decode side of one landing chunk in ONE Ray call (see :class:`RankLandingStep`):
         notification wait, staging -> host copy, key copy, and on the last chunk the key cache's
         length. ``index_keys``: the whole prompt's keys as numpy ``[L, T, d]`` (the fallback for a
-        replica without key staging; they travel through Ray's object store). Calls of different chunks may run at once (the lander pipelines chunks); each
-        copy runs under the executor lock, so never inside a decode step. Returns the seconds of
-        the staging -> host copy (0.0 without one)."""
+        replica without key staging; they travel through Ray's object store). Calls of different
+        chunks may run at once (the lander pipelines chunks); each copy runs under the executor
+        lock, so never inside a decode step. Returns the seconds of the staging -> host copy
+        (0.0 without one)."""
         rid = step.request_id
         G = max(1, step.layer_groups)
+        L = len(self.staging)
         seconds = 0.0
         for g in range(G):  # group g is copied to host while later groups are still written
             if step.notif is not None:
                 self.wait_notification(group_notif(step.notif, g, G), step.timeout_s, rid)
             if step.unstage is not None:
                 first, host_blocks, pages = step.unstage
-                L = len(self.staging)
                 seconds += self.unstage_run(first, list(host_blocks), list(pages),
                                             step.num_positions,
                                             [l for l in range(L) if layer_group(l, L, G) == g])
@@ -236,10 +237,10 @@ class DecodeWorker:
                 cache = index[rid]
                 cache.keys[:, lo:lo + n] = self.key_staging[:, row:row + n].view(
                     cache.keys.dtype).view(cache.keys.shape[0], n, cache.keys.shape[2])
+                if self.key_staging.is_cuda:  # the lander re-leases the rows next
+                    torch.cuda.current_stream().synchronize()
             if step.last:
                 index[rid].length = step.num_positions
-            if self.key_staging is not None and self.key_staging.is_cuda and step.keys:
-                torch.cuda.current_stream().synchronize()  # the lander re-leases the rows next
         return seconds
 
     def drop_landing(self, request_id: str) -> None:

@@ -166,9 +166,9 @@ class Lander:
             order = LandingOrder(rid, tuple(dests), attempts=spec.landing_attempts,
                                  timeout_s=spec.landing_timeout_s)
             # the worker gives up (and cancels its WRITE) after attempts x timeout; the Ray
-            # deadline is later, so a request's blocks are never released under a live WRITE
-            # (no drop_after: pushes of one request may run out of order on the worker's
-            # threads; the lander drops the send buffer once every chunk is done)
+            # deadline is later, so a request's blocks are never released under a live WRITE.
+            # Pushes of one request may run out of order on the worker's threads: the lander
+            # drops the send buffer once every chunk is done
             refs[0] = self.prefill.push.remote(order, P)
         # fallback without key staging: one object-store copy serves every rank (a top-level
         # argument, so Ray resolves it on the rank)
@@ -224,10 +224,7 @@ class Lander:
     def _abandon(self, rid: str, inflight: collections.deque) -> None:
         """A chunk failed: cancel the request's waits on the ranks, then wait out (bounded) every
         other chunk in flight and return its staging run."""
-        try:
-            ray.get([r.drop_landing.remote(rid) for r in self.coord.ranks], timeout=30)
-        except Exception:
-            pass
+        self._cancel(rid)
         while inflight:
             try:
                 self._finish(inflight.popleft())
