@@ -53,9 +53,9 @@ if TYPE_CHECKING:
 class Lander:
     """Lands one request at a time for one prefill worker.
 
-    path: "direct" (WRITE into rank 0's host pool) or "staged" (WRITE into a contiguous run of rank
-    0's staging pool in chunks of at most its capacity, then a local copy into host blocks). Resident landings always
-    WRITE every rank's device pool.
+    path: "direct" (WRITE into rank 0's host pool) or "staged" (WRITE into contiguous runs of rank
+    0's staging pool, chunk by chunk (``chunk_pages``), then a local copy into host blocks).
+    Resident landings always WRITE every rank's device pool.
     """
 
     def __init__(self, coord: "Coordinator", prefill: Any, agent: str, *, direct: bool) -> None:

@@ -11,8 +11,9 @@ prefill -> decode landing GB/s, each against its baseline measured in the same r
 
 Usage: ``python benchmarks/bench_control_plane.py [--probes 2000] [--tokens 2048 8192]
 [--page-size 8] [--staging-blocks 256] [--model landing] [--paths staged]``. ``--model landing``
-lands DeepSeek-V3.2-sized KV (70 KB per token) instead of the tiny model's 0.4-0.8 KB. Prints a table per prompt length and writes
-``benchmarks/results/control_plane.json`` (``landing`` keyed by prompt length).
+lands DeepSeek-V3.2-sized KV (70 KB per token) instead of the tiny model's 0.4-0.8 KB. Prints a
+table per prompt length and writes ``benchmarks/results/control_plane.json`` (``landing`` keyed by
+prompt length).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def bench_landing(rep, tokens: int, repeats: int, paths: list[str], kv_bytes_per
     host, the copy engine's limit; on CPU: a host memcpy). GB/s count the KV bytes that land in
     the host pool; the indexer keys (to every rank) ride along and are reported separately."""
     coord = rep.coordinator
+    kv = (tokens - 1) * kv_bytes_per_token  # positions 0..T-2 land (decode feeds the last)
     rng = random.Random(f"landing-{tokens}")  # prompts share no prefix across sizes: no reuse
     out = {}
     for path in paths:
@@ -104,13 +106,12 @@ def bench_landing(rep, tokens: int, repeats: int, paths: list[str], kv_bytes_per
                   f"(request latency {row['latency_s']:.2f} s)", flush=True)
             if i:
                 moved = row["landing_bytes"]
-                kv = (tokens - 1) * kv_bytes_per_token
                 e2e.append(kv / row["landing_s"] / 1e9)
                 data.append(kv / row["landing_data_s"] / 1e9)
-        out[path] = {"kv_bytes": (tokens - 1) * kv_bytes_per_token, "moved_bytes": moved,
+        out[path] = {"kv_bytes": kv, "moved_bytes": moved,
                      "e2e_GBps": statistics.median(e2e), "data_path_GBps": statistics.median(data),
                      "e2e_all_GBps": e2e, "runs": len(e2e)}
-    nbytes = (tokens - 1) * kv_bytes_per_token
+    nbytes = kv
     if torch.cuda.is_available():
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
         dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
