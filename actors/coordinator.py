@@ -58,6 +58,8 @@ class Coordinator:
         self._prompts: dict[str, list[int]] = {}
         self._route: dict[str, int] = {}
         self._channels: list[ChannelPair] = []
+        self._found: list[float] = []
+        self._decoded: list[float] = []
         self._landers: list[Lander] = []
         blocks = self.endpoints[0].staging_blocks
         self.staging = StagingPool(blocks) if blocks else None  # rank 0's, FIFO over all landers
@@ -69,6 +71,9 @@ class Coordinator:
         self.hot_hits = self.hot_misses = 0
         self.step_s: collections.deque = collections.deque(maxlen=100_000)
         self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, round trip s)
+        # (step, start, (sent per rank), (report found per rank), (decoded per rank)):
+        # perf_counter() stamps, comparable with the ranks' traces (one clock per host)
+        self.step_trace: collections.deque = collections.deque(maxlen=100_000)
         self._channel_lock = threading.Lock()  # one user of the rank channels at a time
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -77,6 +82,8 @@ class Coordinator:
         if self._thread is not None:
             raise StateError("coordinator already started")
         self._channels = [ChannelPair.create(policy=self.spec.wait_policy()) for _ in self.ranks]
+        self._found = [0.0] * len(self.ranks)  # per-rank report stamps of the current step
+        self._decoded = [0.0] * len(self.ranks)
         ray.get([r.attach_channel.remote(ch.spec) for r, ch in zip(self.ranks, self._channels)])
         self._thread = threading.Thread(target=self._step_loop, name="coordinator-steps", daemon=True)
         self._thread.start()
@@ -286,6 +293,7 @@ class Coordinator:
         from hisparse_ray.errors import ChannelTimeoutError
 
         reports: list = [None] * len(self._channels)
+        found, decoded = self._found, self._decoded
         deadline = time.monotonic() + timeout
         while True:
             for i, ch in enumerate(self._channels):
@@ -294,6 +302,8 @@ class Coordinator:
                         reports[i] = ch.recv(REPORT_POLL_S)
                     except ChannelTimeoutError:
                         pass
+                    else:
+                        found[i], decoded[i] = ch.ready_t, time.perf_counter()
             if all(r is not None for r in reports):
                 return reports
             if time.monotonic() >= deadline:
@@ -303,6 +313,11 @@ class Coordinator:
     def get_step_log(self) -> list[tuple[int, float]]:
         """(step, command-to-last-report seconds) of the recent steps (benchmarks)."""
         return list(self.step_log)
+
+    def get_step_trace(self) -> list[tuple]:
+        """(step, start, sent per rank, report found per rank, decoded per rank)
+        ``perf_counter`` stamps of the recent steps (benchmarks; see ``DecodeWorker``)."""
+        return list(self.step_trace)
 
     def probe_control_plane(self, n: int) -> list[float]:
         """Round-trip seconds of ``n`` empty StepCommands through every rank's channel and step
@@ -339,12 +354,16 @@ class Coordinator:
                     continue
                 with self._channel_lock:
                     t0 = time.perf_counter()
+                    sent = []
                     for ch, cmd in zip(self._channels, cmds):
                         ch.send(cmd, timeout)
+                        sent.append(time.perf_counter())
                     reports = self._gather_reports(timeout)
                     dt = time.perf_counter() - t0
                 self.step_s.append(dt)
                 self.step_log.append((cmds[0].step, dt))
+                self.step_trace.append((cmds[0].step, t0, tuple(sent), tuple(self._found),
+                                        tuple(self._decoded)))
                 with self.cond:
                     for rep in reports:
                         self.core.apply_report(rep)

@@ -72,6 +72,8 @@ class DecodeWorker:
         self.steps = 0
         self.step_s = 0.0
         self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, execute s)
+        # (step, found, decoded, executed, report sent): perf_counter() stamps, one clock per host
+        self.step_trace: collections.deque = collections.deque(maxlen=100_000)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def node_info(self) -> dict:
@@ -275,11 +277,13 @@ class DecodeWorker:
                     # with _sync_host_writes (rank 0, CUDA, TP > 1) execute finishes its host
                     # writes before it returns: peers read them in their next forward
                     report = self.executor.execute(cmd)
-                dt = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                dt = t1 - t0
                 self.step_s += dt
                 self.steps += 1
                 self.step_log.append((cmd.step, dt))
                 ch.send(report, timeout=self.spec.step_timeout_s)
+                self.step_trace.append((cmd.step, ch.ready_t, t0, t1, time.perf_counter()))
         except (ChannelClosedError, ChannelPeerLostError):
             pass
         except BaseException as err:  # surfaced through stats(); the coordinator times out
@@ -288,6 +292,11 @@ class DecodeWorker:
     def get_step_log(self) -> list[tuple[int, float]]:
         """(step, seconds spent executing it) of the recent steps (benchmarks)."""
         return list(self.step_log)
+
+    def get_step_trace(self) -> list[tuple[int, float, float, float, float]]:
+        """(step, command found, decoded, executed, report sent) ``perf_counter`` stamps of the
+        recent steps: the same clock as the coordinator's trace on this host (benchmarks)."""
+        return list(self.step_trace)
 
     def ping(self, payload: Any = None) -> int:
         """A plain Ray call (the baseline the shared-memory control plane is measured against)."""

@@ -19,6 +19,7 @@ prompt length).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -75,8 +76,37 @@ def bench_control_plane(rep, probes: int) -> dict:
     rank_logs = [dict(x) for x in ray.get([r.get_step_log.remote() for r in ranks])]
     overhead = [rt - max(log[s] for log in rank_logs) for s, rt in coord_log.items()
                 if all(s in log for log in rank_logs)]
+    stages = step_stages(ray.get(coord.get_step_trace.remote()),
+                         ray.get([r.get_step_trace.remote() for r in ranks]))
     return {"shm_empty_step_round_trip": _us(shm), "real_step_overhead": _us(overhead),
-            "ray_call_one_rank": _us(plain), "ray_call_fanout_tp2": _us(fanout)}
+            "ray_call_one_rank": _us(plain), "ray_call_fanout_tp2": _us(fanout),
+            "real_step_stages": stages}
+
+
+def step_stages(coord_trace: list, rank_traces: list[list]) -> dict:
+    """Median microseconds of each stage of a real step, per rank, from the coordinator's and the
+    ranks' ``perf_counter`` traces (one clock on one host): the coordinator encodes and writes the
+    command (``c_send``), the rank finds it (``r_wake``), decodes it (``r_decode``), executes,
+    encodes and writes its report (``r_report``); the coordinator finds it (``c_wake``) and decodes
+    it (``c_decode``). ``c_send`` of rank r counts from the previous rank's send."""
+    by_step = [{t[0]: t for t in tr} for tr in rank_traces]
+    cols: dict[str, list[float]] = collections.defaultdict(list)
+    for step, t0, sent, found, decoded in coord_trace:
+        if not all(step in b for b in by_step):
+            continue
+        prev = t0
+        for r, b in enumerate(by_step):
+            _, r_found, r_dec, r_exec, r_sent = b[step]
+            cols[f"r{r} c_send"].append(sent[r] - prev)
+            prev = sent[r]
+            cols[f"r{r} r_wake"].append(r_found - sent[r])
+            cols[f"r{r} r_decode"].append(r_dec - r_found)
+            cols[f"r{r} execute"].append(r_exec - r_dec)
+            cols[f"r{r} r_report"].append(r_sent - r_exec)
+            cols[f"r{r} c_wake"].append(found[r] - r_sent)
+            cols[f"r{r} c_decode"].append(decoded[r] - found[r])
+        cols["round trip"].append(max(decoded) - t0)
+    return {k: statistics.median(v) * 1e6 for k, v in cols.items()}
 
 
 def bench_landing(rep, tokens: int, repeats: int, paths: list[str], kv_bytes_per_token: int
@@ -226,7 +256,12 @@ def _print_control(cp: dict, machine: str) -> None:
     print(f"\ncontrol plane at TP 2 ({machine}):")
     print(f"{'measurement':<32} {'median us':>10} {'p90 us':>10} {'n':>6}")
     for k, v in cp.items():
-        print(f"{k:<32} {v['median_us']:>10.1f} {v['p90_us']:>10.1f} {v['n']:>6}")
+        if "median_us" in v:
+            print(f"{k:<32} {v['median_us']:>10.1f} {v['p90_us']:>10.1f} {v['n']:>6}")
+    stages = cp.get("real_step_stages", {})
+    if stages:
+        print("stages of a real step, median us: " + "  ".join(
+            f"{k}={v:.1f}" for k, v in stages.items()))
     ratio = cp["ray_call_fanout_tp2"]["median_us"] / cp["shm_empty_step_round_trip"]["median_us"]
     print(f"Ray fan-out to both ranks / shm step round trip: {ratio:.1f}x")
 

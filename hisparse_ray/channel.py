@@ -149,6 +149,7 @@ class ShmChannel:
         self._pos = self._load(_OFF_WRITE if role == "sender" else _OFF_READ)
         self._store(_OFF_SENDER_PID if role == "sender" else _OFF_RECEIVER_PID, os.getpid())
         self._closed = False
+        self.ready_t = 0.0  # receiver: perf_counter() when the last message was found (tracing)
         self._fence_lock = threading.Lock()
         self._futex = policy.futex and futex_available()
         probe = ctypes.c_char.from_buffer(mm)  # the mapping's address (it never moves)
@@ -277,6 +278,7 @@ class ShmChannel:
         if self._load(_OFF_WRITE) == pos:
             self._wait(lambda: self._load(_OFF_WRITE) != pos, timeout, "no message",
                        "receiver")
+        self.ready_t = time.perf_counter()
         off = pos % self.capacity
         if off + _FRAME.size <= self.capacity:
             length, seq = _FRAME.unpack_from(self._mm, _DATA + off)
@@ -439,6 +441,11 @@ class ChannelPair:
 
     def recv(self, timeout: float | None = None) -> Any:
         return self.inbox.recv(timeout)
+
+    @property
+    def ready_t(self) -> float:
+        """``perf_counter()`` when the last received message was found, before decoding."""
+        return self.inbox.ready_t
 
     def close(self) -> None:
         self.outbox.close()
