@@ -79,6 +79,11 @@ class ReplicaSpec:
         its own notification, and rank 0 copies group g to host while later groups are still in
         flight (overlaps the NIXL WRITE with the D2H copy). 1 = one WRITE (what was measured on
         the H200); capped at the layer count.
+    warm_codec: step-channel waiters keep the step codec warm while they spin
+        (``transfer.stepcodec.CodecWarmer``): a rank decodes a canned command, the coordinator
+        a canned report and a canned command, when a wait begins and every 2 ms while it
+        yields. Right after a model forward the codec runs 3-5x slower than warm (cold caches),
+        on the step's critical path.
     """
 
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -97,6 +102,7 @@ class ReplicaSpec:
     step_yield_s: float | None = None
     landing_layer_groups: int = 1
     landing_call_timeout_s: float = 120.0
+    warm_codec: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
