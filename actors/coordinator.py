@@ -300,20 +300,27 @@ class Coordinator:
         reports: list = [None] * len(self._channels)
         found, decoded = self._found, self._decoded
         deadline = time.monotonic() + timeout
+        turn = -1
         while True:
-            for i, ch in enumerate(self._channels):
+            missing = []
+            for i, ch in enumerate(self._channels):  # take every report already there
                 if reports[i] is None:
-                    try:
-                        reports[i] = ch.recv(REPORT_POLL_S)
-                    except ChannelTimeoutError:
-                        pass
-                    else:
+                    if ch.inbox.pending():
+                        reports[i] = ch.recv(0)
                         found[i], decoded[i] = ch.ready_t, time.perf_counter()
-            if all(r is not None for r in reports):
+                    else:
+                        missing.append(i)
+            if not missing:
                 return reports
             if time.monotonic() >= deadline:
-                missing = [i for i, r in enumerate(reports) if r is None]
                 raise ChannelTimeoutError(f"no step report from ranks {missing} after {timeout} s")
+            # wait on one missing channel (in turn: each peer's liveness gets checked), waking
+            # for any other: a rank that reports first is decoded while the slower one still
+            # works, off the step's critical path
+            turn += 1
+            k = missing[turn % len(missing)]
+            self._channels[k].inbox.wait_pending(
+                REPORT_POLL_S, tuple(self._channels[i].inbox for i in missing if i != k))
 
     def get_step_log(self) -> list[tuple[int, float]]:
         """(step, command-to-last-report seconds) of the recent steps (benchmarks)."""

@@ -263,7 +263,10 @@ class DecodeWorker:
             raise StateError(f"rank {self.rank} already runs a step thread")
         self._channel = ChannelPair.attach(spec, policy=self.spec.wait_policy())
         if self.spec.warm_codec:
-            self._channel.inbox.warmup = CodecWarmer("rank")
+            warmer = CodecWarmer("rank")
+            self._channel.inbox.warmup = warmer
+            if self.executor is not None:  # GPU time the writer would wait for anyway
+                self.executor.gpu_idle_hook = warmer.report
         self._thread = threading.Thread(target=self._loop, name=f"step-r{self.rank}", daemon=True)
         self._thread.start()
 

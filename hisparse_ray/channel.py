@@ -302,6 +302,23 @@ class ShmChannel:
         self._check_role("receiver")
         return self._load(_OFF_WRITE) != self._pos
 
+    def wait_pending(self, timeout: float, others: tuple[ShmChannel, ...] = ()) -> bool:
+        """Receiver: block until this channel or any of ``others`` (receivers in this process)
+        has a message, up to ``timeout`` s; False on timeout. Waits like ``recv`` (spin, yield,
+        then a futex on this channel only: a message on another is seen within
+        ``futex_slice_s``); same ``ChannelClosedError`` / ``ChannelPeerLostError`` for this
+        channel's peer."""
+        self._check_role("receiver")
+        pos, load = self._pos, self._load
+        ready = (lambda: load(_OFF_WRITE) != pos or any(o.pending() for o in others))
+        if ready():
+            return True
+        try:
+            self._wait(ready, timeout, "no message", "receiver")
+        except ChannelTimeoutError:
+            return False
+        return True
+
     # -- internals -------------------------------------------------------------------------
 
     def _check_role(self, role: Role) -> None:

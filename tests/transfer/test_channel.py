@@ -233,3 +233,29 @@ def test_warmup_runs_while_a_receiver_waits_and_changes_nothing():
         tx.close()
         rx.close()
     assert warmer.calls > 0
+
+
+def test_wait_pending_wakes_for_any_channel_and_times_out():
+    """The coordinator's report wait: blocked on one rank's channel, it wakes when another rank's
+    report arrives first (sent from a thread after a random pause), and returns False when none
+    does; the messages stay in their rings for recv."""
+    import threading
+
+    spin = WaitPolicy(spin_s=0, yield_s=2e-3, futex_slice_s=1e-3)
+    a = ShmChannel.create("sender", 1024, prefix="hsr-chtest-", policy=spin)
+    b = ShmChannel.create("sender", 1024, prefix="hsr-chtest-", policy=spin)
+    ra, rb = ShmChannel.attach(a.spec, policy=spin), ShmChannel.attach(b.spec, policy=spin)
+    try:
+        assert not ra.wait_pending(0.01, (rb,))
+        rng = random.Random(11)
+        for i in range(30):
+            th = threading.Timer(rng.choice([0, 1e-4, 3e-3]), b.send, args=(i,))
+            th.start()
+            assert ra.wait_pending(10.0, (rb,))
+            th.join()
+            assert not ra.pending() and rb.recv(1.0) == i
+        a.send("x")
+        assert ra.wait_pending(0.0) and ra.recv(0) == "x"
+    finally:
+        for c in (a, b, ra, rb):
+            c.close()

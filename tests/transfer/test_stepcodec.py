@@ -214,7 +214,7 @@ def test_warmers_leave_a_tp_group_stream_exact(cmds, warm_between):
     exactly, the group still shares one encoding per step, and _MEMO never sees a warmer entry."""
     enc = [StepCodec(), StepCodec()]
     dec = [StepCodec(), StepCodec()]
-    warmers = [CodecWarmer("coordinator"), CodecWarmer("rank")]
+    warmers = [CodecWarmer("coordinator", every_s=0), CodecWarmer("rank", every_s=0)]
     for i, cmd in enumerate(cmds):
         for _ in range(warm_between[i]):
             for w in warmers:
@@ -222,6 +222,7 @@ def test_warmers_leave_a_tp_group_stream_exact(cmds, warm_between):
         for r in (0, 1):
             for w in warmers[:warm_between[i] % 2]:
                 w()  # between the two ranks' encodes too
+                w.report()
             sent = dataclasses.replace(cmd, rank=T.Rank(r))
             assert _same(dec[r].loads(enc[r].dumps(sent)), sent)
         assert enc[0]._token == enc[1]._token
@@ -233,3 +234,10 @@ def test_warmers_leave_a_tp_group_stream_exact(cmds, warm_between):
 def test_warmer_side_is_checked():
     with pytest.raises(ValueError, match="side"):
         CodecWarmer("prefill")
+
+
+def test_warmer_calls_are_rate_limited():
+    w = CodecWarmer("rank", every_s=60.0)
+    w()
+    w()
+    assert w.calls == 1
