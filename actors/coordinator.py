@@ -83,8 +83,8 @@ class Coordinator:
         if self._thread is not None:
             raise StateError("coordinator already started")
         self._channels = [ChannelPair.create(policy=self.spec.wait_policy()) for _ in self.ranks]
-        if self.spec.warm_codec:
-            warmer = CodecWarmer("coordinator")  # one for all: a report wait is one wait
+        if self.spec.warm_codec_every_s is not None:
+            warmer = CodecWarmer("coordinator", self.spec.warm_codec_every_s)  # one for all: a report wait is one wait
             for ch in self._channels:
                 ch.inbox.warmup = warmer
         self._found = [0.0] * len(self.ranks)  # per-rank report stamps of the current step

@@ -262,8 +262,8 @@ class DecodeWorker:
         if self._thread is not None:
             raise StateError(f"rank {self.rank} already runs a step thread")
         self._channel = ChannelPair.attach(spec, policy=self.spec.wait_policy())
-        if self.spec.warm_codec:
-            warmer = CodecWarmer("rank")
+        if self.spec.warm_codec_every_s is not None:
+            warmer = CodecWarmer("rank", self.spec.warm_codec_every_s)
             self._channel.inbox.warmup = warmer
             if self.executor is not None:  # GPU time the writer would wait for anyway
                 self.executor.gpu_idle_hook = warmer.report

@@ -70,7 +70,7 @@ def bench_control_plane(rep, probes: int) -> dict:
     # real decode steps: run a few host-tier requests, then compare per-step logs
     rng = random.Random(0)
     for i in range(4):
-        ray.get(coord.submit.remote(f"cp{i}", [rng.randrange(1, 96) for _ in range(150)], 24))
+        ray.get(coord.submit.remote(f"cp{i}", [rng.randrange(1, 96) for _ in range(150)], 64))
     ray.get(coord.wait.remote(None, 600))
     coord_log = dict(ray.get(coord.get_step_log.remote()))
     rank_logs = [dict(x) for x in ray.get([r.get_step_log.remote() for r in ranks])]
@@ -218,17 +218,19 @@ def main() -> int:
                               synthetic_kv=args.synthetic_prefill)
                   for name in ("direct", "staged")]
         cp, land = {}, {}
-        # the control plane without the codec warmers first (the same-run baseline), then the
-        # replica as configured (warm_codec=True), which also does the landings
-        variants = [("cold", False)] if args.only != "landing" and args.compare_warm else []
-        variants.append(("warm", True))
+        # the control plane without the codec warmers first (the same-run baseline), then other
+        # warm-up intervals, then the replica as configured (the default), which also lands
+        default = ReplicaSpec().warm_codec_every_s
+        variants = [("off", None), ("every 0.2 ms", 2e-4)] \
+            if args.only != "landing" and args.compare_warm else []
+        variants.append((f"every {default * 1e3:g} ms", default))
         for name, warm in variants:
             workers = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
                        for p in pspecs]  # a replica's shutdown ends its prefill workers
             t0 = time.perf_counter()
             rep = launch.launch_replica(dataclasses.replace(
-                spec, warm_codec=warm, replica_id=f"bench-{name}"))
-            print(f"  replica up in {time.perf_counter() - t0:.1f} s (warm_codec={warm})",
+                spec, warm_codec_every_s=warm, replica_id=f"bench-{len(cp)}"))
+            print(f"  replica up in {time.perf_counter() - t0:.1f} s (codec warmers {name})",
                   flush=True)
             ray.get([w.ready.remote() for w in workers])
             for w, mode in zip(workers, ("direct", "staged")):
@@ -236,7 +238,7 @@ def main() -> int:
             try:
                 if args.only != "landing":
                     cp[name] = bench_control_plane(rep, args.probes)
-                if warm and args.only != "control":
+                if warm == default and args.only != "control":
                     land = {str(t): bench_landing(
                         rep, t, args.repeats,
                         [p for p in args.paths if p != "direct" or args.direct_max_tokens is None
@@ -255,10 +257,13 @@ def main() -> int:
               "kv_bytes_per_token": per_token,
               "control_plane": cp, "landing": land}
     for name, part in cp.items():
-        _print_control(part, f"{result['machine']}; codec warmers {'on' if name == 'warm' else 'off'}")
-    if len(cp) == 2:
-        w, c = (cp[k]["real_step_overhead"]["median_us"] for k in ("warm", "cold"))
-        print(f"real-step overhead with codec warmers / without, same run: {w / c:.2f}x")
+        _print_control(part, f"{result['machine']}; codec warmers {name}")
+    if "off" in cp:
+        base = cp["off"]["real_step_overhead"]["median_us"]
+        for name, part in cp.items():
+            if name != "off":
+                print(f"real-step overhead, codec warmers {name} / off, same run: "
+                      f"{part['real_step_overhead']['median_us'] / base:.2f}x")
     for t, per_path in land.items():
         _print_landing(per_path, int(t), args.page_size, args.staging_blocks)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
