@@ -28,7 +28,6 @@ from hisparse_ray.core.coordinator import Coordinator as CoreCoordinator
 from hisparse_ray.errors import (
     ChannelError, DuplicateRequestError, HiSparseError, StateError, UnknownRequestError,
 )
-from hisparse_ray.transfer.stepcodec import CodecWarmer
 from hisparse_ray.types import Admission, RequestId, RequestState
 
 IDLE_WAIT_S = 0.02
@@ -83,10 +82,6 @@ class Coordinator:
         if self._thread is not None:
             raise StateError("coordinator already started")
         self._channels = [ChannelPair.create(policy=self.spec.wait_policy()) for _ in self.ranks]
-        if self.spec.warm_codec_every_s is not None:
-            warmer = CodecWarmer("coordinator", self.spec.warm_codec_every_s)  # one for all: a report wait is one wait
-            for ch in self._channels:
-                ch.inbox.warmup = warmer
         self._found = [0.0] * len(self.ranks)  # per-rank report stamps of the current step
         self._decoded = [0.0] * len(self.ranks)
         ray.get([r.attach_channel.remote(ch.spec) for r, ch in zip(self.ranks, self._channels)])

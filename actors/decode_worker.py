@@ -27,7 +27,6 @@ from hisparse_ray.errors import (
 )
 from hisparse_ray.hostpool import HostPool
 from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
-from hisparse_ray.transfer.stepcodec import CodecWarmer
 
 POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle
 CANCELLED_MEMORY = 4096  # failed landings remembered per rank (to stop their late calls)
@@ -262,11 +261,6 @@ class DecodeWorker:
         if self._thread is not None:
             raise StateError(f"rank {self.rank} already runs a step thread")
         self._channel = ChannelPair.attach(spec, policy=self.spec.wait_policy())
-        if self.spec.warm_codec_every_s is not None:
-            warmer = CodecWarmer("rank", self.spec.warm_codec_every_s)
-            self._channel.inbox.warmup = warmer
-            if self.executor is not None:  # GPU time the writer would wait for anyway
-                self.executor.gpu_idle_hook = warmer.report
         self._thread = threading.Thread(target=self._loop, name=f"step-r{self.rank}", daemon=True)
         self._thread.start()
 

@@ -79,11 +79,6 @@ class ReplicaSpec:
         its own notification, and rank 0 copies group g to host while later groups are still in
         flight (overlaps the NIXL WRITE with the D2H copy). 1 = one WRITE (what was measured on
         the H200); capped at the layer count.
-    warm_codec_every_s: step-channel waiters keep the step codec warm while they spin
-        (``transfer.stepcodec.CodecWarmer``): a rank decodes canned commands, the coordinator a
-        canned report and a canned command, when a wait begins and every this many seconds
-        while it yields (None = off). Right after a model forward the codec runs 3-5x slower
-        than warm (cold caches), on the step's critical path.
     """
 
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -102,7 +97,6 @@ class ReplicaSpec:
     step_yield_s: float | None = None
     landing_layer_groups: int = 1
     landing_call_timeout_s: float = 120.0
-    warm_codec_every_s: float | None = 2e-3
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -121,8 +115,6 @@ class ReplicaSpec:
             raise ConfigError("landing_call_timeout_s", self.landing_call_timeout_s, "must be > 0")
         if self.landing_layer_groups < 1:
             raise ConfigError("landing_layer_groups", self.landing_layer_groups, "must be >= 1")
-        if self.warm_codec_every_s is not None and not self.warm_codec_every_s > 0:
-            raise ConfigError("warm_codec_every_s", self.warm_codec_every_s, "must be > 0 or None")
         if self.step_yield_s is not None and self.step_yield_s < 50e-6:
             raise ConfigError("step_yield_s", self.step_yield_s, "must be >= 50e-6 s or None")
 

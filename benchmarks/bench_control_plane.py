@@ -189,8 +189,6 @@ def main() -> int:
     ap.add_argument("--direct-max-tokens", type=int, default=None,
                     help="measure the direct path only for prompts up to this length (on a GPU "
                          "host it runs at ~0.4 GB/s: a GB takes longer than a landing attempt)")
-    ap.add_argument("--no-compare-warm", dest="compare_warm", action="store_false",
-                    help="skip the control-plane baseline replica without codec warmers")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -217,35 +215,23 @@ def main() -> int:
                               gpus=0.1 if gpu else 0.0, name=name,
                               synthetic_kv=args.synthetic_prefill)
                   for name in ("direct", "staged")]
-        cp, land = {}, {}
-        # the control plane without the codec warmers first (the same-run baseline), then other
-        # warm-up intervals, then the replica as configured (the default), which also lands
-        default = ReplicaSpec().warm_codec_every_s
-        variants = [("off", None), ("every 0.2 ms", 2e-4)] \
-            if args.only != "landing" and args.compare_warm else []
-        variants.append((f"every {default * 1e3:g} ms", default))
-        for name, warm in variants:
-            workers = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
-                       for p in pspecs]  # a replica's shutdown ends its prefill workers
-            t0 = time.perf_counter()
-            rep = launch.launch_replica(dataclasses.replace(
-                spec, warm_codec_every_s=warm, replica_id=f"bench-{len(cp)}"))
-            print(f"  replica up in {time.perf_counter() - t0:.1f} s (codec warmers {name})",
-                  flush=True)
-            ray.get([w.ready.remote() for w in workers])
-            for w, mode in zip(workers, ("direct", "staged")):
-                launch.connect(rep, w, mode)
-            try:
-                if args.only != "landing":
-                    cp[name] = bench_control_plane(rep, args.probes)
-                if warm == default and args.only != "control":
-                    land = {str(t): bench_landing(
-                        rep, t, args.repeats,
-                        [p for p in args.paths if p != "direct" or args.direct_max_tokens is None
-                         or t <= args.direct_max_tokens], per_token)
-                        for t in args.tokens}
-            finally:
-                rep.shutdown()
+        workers = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
+                   for p in pspecs]
+        t0 = time.perf_counter()
+        rep = launch.launch_replica(spec)
+        print(f"  replica up in {time.perf_counter() - t0:.1f} s", flush=True)
+        ray.get([w.ready.remote() for w in workers])
+        for w, mode in zip(workers, ("direct", "staged")):
+            launch.connect(rep, w, mode)
+        try:
+            cp = bench_control_plane(rep, args.probes) if args.only != "landing" else {}
+            land = {str(t): bench_landing(
+                rep, t, args.repeats,
+                [p for p in args.paths if p != "direct" or args.direct_max_tokens is None
+                 or t <= args.direct_max_tokens], per_token)
+                for t in args.tokens} if args.only != "control" else {}
+        finally:
+            rep.shutdown()
     finally:
         ray.shutdown()
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -256,14 +242,8 @@ def main() -> int:
               "synthetic_prefill": args.synthetic_prefill,
               "kv_bytes_per_token": per_token,
               "control_plane": cp, "landing": land}
-    for name, part in cp.items():
-        _print_control(part, f"{result['machine']}; codec warmers {name}")
-    if "off" in cp:
-        base = cp["off"]["real_step_overhead"]["median_us"]
-        for name, part in cp.items():
-            if name != "off":
-                print(f"real-step overhead, codec warmers {name} / off, same run: "
-                      f"{part['real_step_overhead']['median_us'] / base:.2f}x")
+    if cp:
+        _print_control(cp, result["machine"])
     for t, per_path in land.items():
         _print_landing(per_path, int(t), args.page_size, args.staging_blocks)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -150,9 +150,6 @@ class ShmChannel:
         self._store(_OFF_SENDER_PID if role == "sender" else _OFF_RECEIVER_PID, os.getpid())
         self._closed = False
         self.ready_t = 0.0  # receiver: perf_counter() when the last message was found (tracing)
-        # called when a wait begins and then every ``warmup.every_s`` s while it lasts (nothing in
-        # the channel changes): keeps the code that handles the next message in the caches
-        self.warmup: Any = None  # e.g. transfer.stepcodec.CodecWarmer
         self._fence_lock = threading.Lock()
         self._futex = policy.futex and futex_available()
         probe = ctypes.c_char.from_buffer(mm)  # the mapping's address (it never moves)
@@ -372,17 +369,12 @@ class ShmChannel:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         sleep, next_check = policy.min_sleep_s, start
-        warm, next_warm = self.warmup, start
         flagged = False
         try:
             while True:
                 if ready():
                     return
                 now = time.monotonic()
-                if warm is not None and now >= next_warm and now - start < policy.yield_s:
-                    warm()  # only while spinning or yielding: a sleeping waiter is idle
-                    next_warm = time.monotonic() + warm.every_s
-                    continue
                 if self._load(closed_off):
                     if ready():
                         return

@@ -103,11 +103,6 @@ class HiSparseWorker:
         self.sync_host_writes = sync_host_writes
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
         self.on_logits: Any = None  # on_logits(cmd, logits [B, V]) after each forward (tests, tools)
-        # called (writer, CUDA) just before the step's blocking read of the logits when the GPU
-        # still has work queued: CPU time that would be spent waiting anyway (the actor uses it
-        # to warm the report path, see transfer.stepcodec.CodecWarmer)
-        self.gpu_idle_hook: Any = None
-        self._idle_probe: Any = None
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
                          "backups": 0}
 
@@ -288,8 +283,6 @@ class HiSparseWorker:
             self.on_logits(cmd, logits)
         sampled: tuple = ()
         if self.writer:
-            if self.gpu_idle_hook is not None and logits.is_cuda:
-                self._while_gpu_busy()
             rows = logits.detach().float().cpu()
             toks = []
             for b, r in enumerate(cmd.batch):
@@ -297,14 +290,6 @@ class HiSparseWorker:
                 toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
             sampled = tuple((r.request_id, t) for r, t in zip(cmd.batch, toks))
         return sampled, per_request
-
-    def _while_gpu_busy(self) -> None:
-        """Run ``gpu_idle_hook`` if the current stream has not reached this point yet."""
-        if self._idle_probe is None:
-            self._idle_probe = torch.cuda.Event()
-        self._idle_probe.record()
-        if not self._idle_probe.query():
-            self.gpu_idle_hook()
 
     def close(self) -> None:
         self._take_completed(wait=True)

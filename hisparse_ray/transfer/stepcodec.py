@@ -33,7 +33,6 @@ import itertools
 import marshal
 import operator
 import struct
-import time
 from itertools import chain
 from typing import Any
 
@@ -148,7 +147,6 @@ class StepCodec:
         if max_ids < 1:
             raise ValueError(f"max_ids must be >= 1, got {max_ids}")
         self.max_ids = max_ids
-        self._memo = _MEMO  # shared by the encoders of a TP group (a warmer keeps its own)
         self._fallback = PickleCodec()
         self.reset()
         self._names: list[str | None] = []  # decoder: index -> request id
@@ -248,8 +246,7 @@ class StepCodec:
                 and cmd.backups == () and cmd.released == ()):  # an empty step: header only
             return _CMD.pack(TAG_COMMAND, _ALL_HOT_SAME, cmd.step, cmd.rank, 0, 0, 0, 0, 0, 0, 0)
         key = (self.max_ids, self._token)
-        memo = self._memo
-        hit = memo.get(key)
+        hit = _MEMO.get(key)
         if hit is not None:
             prev, head, rest, delta, after = hit
             if (prev.step == cmd.step and prev.batch == cmd.batch
@@ -302,9 +299,9 @@ class StepCodec:
         delta = (drop, new, hot_updates, released)
         self._apply(delta)
         after = next(_TOKENS)
-        if len(memo) >= _MEMO_MAX:
-            memo.clear()
-        memo[key] = (cmd, head, rest, delta, after)
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.clear()
+        _MEMO[key] = (cmd, head, rest, delta, after)
         self._token = after
         return out
 
@@ -387,74 +384,3 @@ class StepCodec:
     @staticmethod
     def _load_report(data: bytes) -> wire.StepReport:
         return _make_rep(*marshal.loads(memoryview(data)[1:]))
-
-
-class CodecWarmer:
-    """Keeps the step codec's code and data in this core's caches while a channel end waits.
-
-    Measured: a command decode that takes 12 us in a loop takes 50-70 us right after a model
-    forward or a long wait (cold instruction and data caches), in the middle of the step's
-    critical path; every codec call there is 3-5x slower than its warm cost. A waiting channel
-    end calls this (``ShmChannel.warmup``) when its wait begins and every ``every_s`` while it
-    lasts, so the message that ends the wait is handled by warm code.
-
-    ``side="rank"`` decodes canned commands (one with changed hot buffers, one unchanged: what a
-    rank does next) and ``report()`` encodes a canned report (for ``HiSparseWorker.gpu_idle_hook``:
-    the rank encodes its report right after the forward); ``side="coordinator"`` decodes a canned
-    report and encodes a canned command. Private scratch codecs (own memo), so no channel state
-    changes; a call costs about two warm encodes or decodes (10-30 us), and calls closer than
-    ``every_s / 2`` to the previous one return at once.
-    """
-
-    def __init__(self, side: str, every_s: float = 2e-3, rows: int = 2) -> None:
-        if side not in ("rank", "coordinator"):
-            raise ValueError(f"side must be 'rank' or 'coordinator', got {side!r}")
-        self.side, self.every_s = side, every_s
-        self.calls = 0
-        self._last = -1.0
-        rid = [f"\x00warm-{i}" for i in range(rows)]  # ids no coordinator issues
-
-        def command(step: int, shift: int) -> wire.StepCommand:
-            batch = tuple(wire.BatchRow(rid[i], 1000 + step, 7 + i,
-                                        tuple(range(3 * i + shift * (i % 2), 3 * i + 3)))
-                          for i in range(rows))
-            diffs = (wire.TableDiff(rid[0], step, 5, -1),)
-            xfers = tuple(wire.PageTransfer(10 * step + k, kind, 3, 4)
-                          for k, kind in enumerate(_KINDS))
-            backups = tuple(wire.Backup(100 * step + i, rid[i], 999 + step, 8 + i, step % 8)
-                            for i in range(rows))
-            return wire.StepCommand(step, 0, batch, diffs, xfers, backups, ())
-
-        self._cmds = (command(1, 0), command(2, 1))
-        self._enc, self._dec = StepCodec(), StepCodec()
-        self._enc._memo = self._dec._memo = {}
-        first = self._enc.dumps(self._cmds[0])  # defines the ids
-        self._dec.loads(first)
-        # what a live stream sends: ids by index, some hot buffers changed, then none changed
-        # (decoding either again leaves equal decoder state, so each call may repeat them)
-        self._steady = (self._enc.dumps(self._cmds[1]),
-                        self._enc.dumps(dataclasses.replace(self._cmds[1], step=3, table_diffs=(),
-                                                            transfers=())))
-        self._flip = 0
-        self._rep = wire.StepReport(2, 0, tuple(range(rows)), tuple(range(rows)),
-                                    tuple((r, 5) for r in rid), 3, 5,
-                                    tuple((r, 1, 2) for r in rid))
-        self._report = StepCodec().dumps(self._rep)
-
-    def __call__(self) -> None:
-        now = time.perf_counter()
-        if now - self._last < self.every_s / 2:
-            return
-        self._last = now
-        self.calls += 1
-        if self.side == "rank":
-            for data in self._steady:
-                self._dec.loads(data)
-        else:
-            self._dec.loads(self._report)
-            self._flip ^= 1
-            self._enc.dumps(self._cmds[self._flip])
-
-    def report(self) -> None:
-        """Encode a canned report (the rank's next codec call after its forward)."""
-        self._enc.dumps(self._rep)

@@ -199,42 +199,6 @@ def test_channel_errors_pickle(err):
     assert type(back) is type(err) and back.args == err.args and str(back) == str(err)
 
 
-def test_warmup_runs_while_a_receiver_waits_and_changes_nothing():
-    """A receiver with a codec warmer (what ranks and the coordinator use): the warmer runs when
-    a wait begins and while it yields, never while a message is ready; a hammered stream of
-    commands from a thread with random pauses arrives exact and in order."""
-    import threading
-
-    from hisparse_ray.transfer.stepcodec import CodecWarmer
-
-    from .test_channel_futex import step_stream
-
-    spin = WaitPolicy(spin_s=0, yield_s=5.0, futex=False)  # waits stay in the yield phase
-    tx = ShmChannel.create("sender", 4096, prefix="hsr-chtest-", policy=spin)
-    rx = ShmChannel.attach(tx.spec, policy=spin)
-    warmer = CodecWarmer("rank", every_s=1e-4)
-    rx.warmup = warmer
-    rng = random.Random(7)
-    pauses = [rng.choice([0, 0, 1e-4, 2e-3]) for _ in range(400)]
-
-    def send() -> None:
-        for cmd, pause in zip(step_stream(3, 400), pauses):
-            if pause:
-                time.sleep(pause)
-            tx.send(cmd, timeout=10)
-
-    th = threading.Thread(target=send)
-    th.start()
-    try:
-        for want in step_stream(3, 400):
-            assert rx.recv(timeout=10) == want
-    finally:
-        th.join()
-        tx.close()
-        rx.close()
-    assert warmer.calls > 0
-
-
 def test_wait_pending_wakes_for_any_channel_and_times_out():
     """The coordinator's report wait: blocked on one rank's channel, it wakes when another rank's
     report arrives first (sent from a thread after a random pause), and returns False when none

@@ -18,8 +18,6 @@ from hisparse_ray.transfer.stepcodec import (
     TAG_COMMAND,
     TAG_FALLBACK,
     TAG_REPORT,
-    _MEMO,
-    CodecWarmer,
     StepCodec,
     layout_matches,
 )
@@ -202,42 +200,3 @@ def test_fresh_codecs_share_no_state():
     assert a._ids and not b._ids
     with pytest.raises(ValueError):
         StepCodec(max_ids=0)
-
-
-@given(st.lists(commands(ids=st.sampled_from([T.RequestId(f"r{i}") for i in range(6)])),
-                min_size=1, max_size=12),
-       st.lists(st.integers(0, 3), min_size=12, max_size=12))
-@settings(max_examples=60, deadline=None)
-def test_warmers_leave_a_tp_group_stream_exact(cmds, warm_between):
-    """Codec warmers running between any two calls of a TP group's encoders and decoders (as a
-    waiting channel end runs them) change no channel state: every rank decodes every command
-    exactly, the group still shares one encoding per step, and _MEMO never sees a warmer entry."""
-    enc = [StepCodec(), StepCodec()]
-    dec = [StepCodec(), StepCodec()]
-    warmers = [CodecWarmer("coordinator", every_s=0), CodecWarmer("rank", every_s=0)]
-    for i, cmd in enumerate(cmds):
-        for _ in range(warm_between[i]):
-            for w in warmers:
-                w()
-        for r in (0, 1):
-            for w in warmers[:warm_between[i] % 2]:
-                w()  # between the two ranks' encodes too
-                w.report()
-            sent = dataclasses.replace(cmd, rank=T.Rank(r))
-            assert _same(dec[r].loads(enc[r].dumps(sent)), sent)
-        assert enc[0]._token == enc[1]._token
-        assert all(entry[0].batch[:1] == () or not entry[0].batch[0].request_id.startswith(
-            "\x00warm") for entry in _MEMO.values())
-    assert all(w.calls >= sum(warm_between[:len(cmds)]) for w in warmers)
-
-
-def test_warmer_side_is_checked():
-    with pytest.raises(ValueError, match="side"):
-        CodecWarmer("prefill")
-
-
-def test_warmer_calls_are_rate_limited():
-    w = CodecWarmer("rank", every_s=60.0)
-    w()
-    w()
-    assert w.calls == 1
