@@ -226,22 +226,46 @@ class HiSparseRuntime:
     def hot_counts(self) -> tuple[list[int], list[int]]:
         """Per batch row, this step's hot-buffer (hits, misses) summed over anchor layers: positions
         served by a hot slot that already held them, and positions copied in from host. Reads back
-        to the host: for metrics, not for the decode path."""
+        to the host: for metrics, not for the decode path. Computed on the device for the whole
+        batch and every anchor layer, then read back once (one GPU -> CPU sync per step; the
+        per-row loop it replaced synced three times per anchor layer and row)."""
         st = self._step
         if st is None:
             return [], []
         B = st.slot_rows.shape[0]
-        hits, misses = [0] * B, [0] * B
-        for layer, rows in self._anchor_rows.items():
-            miss = (self._anchor_plan[layer][:, :, 0] >= 0).sum(dim=1).tolist()
-            for b in range(B):
-                in_hot = torch.isin(rows[b], st.slot_rows[b, : self.H].to(rows.dtype)) & (rows[b] >= 0)
-                served = int(in_hot.sum())
-                n = int(st.seq_lens[b])
-                if n > self.H:  # short sequences resolve without the LRU: neither hits nor misses
-                    hits[b] += served - miss[b]
-                    misses[b] += miss[b]
+        if not self._anchor_rows or B == 0:
+            return [0] * B, [0] * B
+        # hot[b, r]: device row r is one of row b's hot slots; then one gather answers "was this
+        # resolved row served from b's hot buffer" for every anchor layer, row and top-k entry
+        slots = st.slot_rows[:, : self.H].to(torch.int64)
+        R = self.device_kv[0].shape[0]  # device rows; column R collects empty (-1) slots
+        hot = torch.zeros(B, R + 1, dtype=torch.bool, device=slots.device)
+        hot.scatter_(1, torch.where(slots >= 0, slots, R), torch.ones_like(slots, dtype=torch.bool))
+        rows = torch.stack(list(self._anchor_rows.values()))  # [A, B, K]
+        in_hot = hot.unsqueeze(0).expand(rows.shape[0], -1, -1).gather(2, rows.clamp(min=0))
+        served = (in_hot & (rows >= 0)).sum(dim=(0, 2))
+        plans = torch.stack(list(self._anchor_plan.values()))  # [A, B, K, 2]
+        miss = (plans[..., 0] >= 0).sum(dim=(0, 2))
+        # short sequences resolve without the LRU: neither hits nor misses
+        counted = (st.seq_lens > self.H).to(torch.int64)
+        hits, misses = torch.stack(((served - miss) * counted, miss * counted)).tolist()
         return hits, misses
+
+
+def hot_counts_reference(step, anchor_rows: dict[int, Tensor], anchor_plan: dict[int, Tensor],
+                         H: int) -> tuple[list[int], list[int]]:
+    """The definition of ``HiSparseRuntime.hot_counts``, row by row (three GPU -> CPU reads per
+    anchor layer and row): the reference its batched form is tested and benchmarked against."""
+    B = step.slot_rows.shape[0]
+    hits, misses = [0] * B, [0] * B
+    for layer, rows in anchor_rows.items():
+        miss = (anchor_plan[layer][:, :, 0] >= 0).sum(dim=1).tolist()
+        for b in range(B):
+            in_hot = torch.isin(rows[b], step.slot_rows[b, :H].to(rows.dtype)) & (rows[b] >= 0)
+            if int(step.seq_lens[b]) > H:
+                hits[b] += int(in_hot.sum()) - miss[b]
+                misses[b] += miss[b]
+    return hits, misses
 
 
 @dataclass
