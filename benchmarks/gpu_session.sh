@@ -35,7 +35,7 @@ case "${1:-run}" in
       grep -E "$keep" "$OUT/$name.log" | tail -12
     }
     case "$mode" in
-      landing)  # ~5 min: real prefill, 8K and 16K tokens, 1 vs 4 layer groups
+      landing)  # ~5 min: real prefill, 8K and 16K tokens, 1 vs 4 layer groups (session 5: 1 wins)
         df -h /dev/shm | tail -1
         land landing_g1 260 --tokens 8192 16384 --staging-blocks 256 --repeats 2
         land landing_g4 150 --tokens 16384 --staging-blocks 256 --repeats 2 --layer-groups 4
@@ -64,7 +64,7 @@ case "${1:-run}" in
     fi
     for b in "bench_decode.py --out $OUT/decode.json" "bench_copies.py" \
              "bench_landing.py --src cuda --dst cpu" "bench_landing.py --src cuda --dst cuda" \
-             "bench_channel.py"; do
+             "bench_channel.py" "bench_hot_counts.py --out $OUT/hot_counts.json"; do
       echo "== $b"
       timeout 60 python3 benchmarks/$b 2>&1 | tail -25 | tee -a "$OUT/benches.log"
     done

@@ -65,6 +65,15 @@ class WriteSegment:
     remote_offset: int
 
 
+def registered(regions: dict[str, tuple], name: str, engine: str, *, pop: bool = False) -> tuple:
+    """An engine's entry for region ``name`` (``(RegionDesc, ...)``), removed with ``pop``;
+    ``TransferError`` naming the region and the engine when it is not registered."""
+    entry = regions.pop(name, None) if pop else regions.get(name)
+    if entry is None:
+        raise TransferError(f"region {name!r} is not registered on {engine!r}")
+    return entry
+
+
 def coalesce(segments: Sequence[WriteSegment]) -> list[WriteSegment]:
     """Merge each run of segments that continue one another on both sides (same local region,
     same remote region, both offsets contiguous) into one; order and bytes moved are unchanged.

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Sequence
 
 from hisparse_ray.errors import TransferError
-from hisparse_ray.transfer.base import MemKind, RegionDesc, WriteSegment, XferState
+from hisparse_ray.transfer.base import MemKind, RegionDesc, WriteSegment, XferState, registered
 
 
 class LoopbackFabric:
@@ -66,14 +66,10 @@ class LoopbackTransferEngine:
         return desc
 
     def deregister(self, name: str) -> None:
-        if self._regions.pop(name, None) is None:
-            raise TransferError(f"region {name!r} is not registered on {self.name!r}")
+        registered(self._regions, name, self.name, pop=True)
 
     def region(self, name: str) -> RegionDesc:
-        try:
-            return self._regions[name][0]
-        except KeyError:
-            raise TransferError(f"region {name!r} is not registered on {self.name!r}") from None
+        return registered(self._regions, name, self.name)[0]
 
     def agent_metadata(self) -> bytes:
         return pickle.dumps((self.name, tuple(self._regions)))

@@ -19,7 +19,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from hisparse_ray.errors import TransferError
-from hisparse_ray.transfer.base import MemKind, RegionDesc, WriteSegment, XferState, coalesce
+from hisparse_ray.transfer.base import (
+    MemKind, RegionDesc, WriteSegment, XferState, coalesce, registered,
+)
 
 
 def _default_name() -> str:
@@ -97,19 +99,14 @@ class NixlTransferEngine:
 
     def deregister(self, name: str) -> None:
         with self._lock:
-            entry = self._regions.pop(name, None)
-            if entry is None:
-                raise TransferError(f"region {name!r} is not registered on {self.name!r}")
+            entry = registered(self._regions, name, self.name, pop=True)
             try:
                 self._agent.deregister_memory(entry[1])
             except Exception as err:
                 raise TransferError(f"deregister {name!r} failed: {err!r}") from err
 
     def region(self, name: str) -> RegionDesc:
-        try:
-            return self._regions[name][0]
-        except KeyError:
-            raise TransferError(f"region {name!r} is not registered on {self.name!r}") from None
+        return registered(self._regions, name, self.name)[0]
 
     # -- peers -----------------------------------------------------------------------------
 

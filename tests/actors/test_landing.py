@@ -3,7 +3,6 @@ cases, a thread hammer, and hypothesis properties."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
@@ -84,41 +83,6 @@ def test_staging_is_fifo_a_big_request_is_not_starved():
     pool.release([0, 1, 2, 3])
     small.join(2)
     assert order == ["big", "small"]
-
-
-def test_staging_hammer_random_threads_never_oversubscribe():
-    pool = StagingPool(6)
-    lock = threading.Lock()
-    in_use = [0]
-    peak = [0]
-    errors: list[BaseException] = []
-
-    def worker(seed: int) -> None:
-        rng = random.Random(seed)
-        try:
-            for _ in range(60):
-                n = rng.randint(1, 6)
-                got = pool.acquire(n, timeout=10)
-                with lock:
-                    in_use[0] += n
-                    peak[0] = max(peak[0], in_use[0])
-                    assert in_use[0] <= 6
-                if rng.random() < 0.3:
-                    time.sleep(rng.random() * 1e-3)
-                with lock:
-                    in_use[0] -= n
-                pool.release(got)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors
-    assert in_use[0] == 0 and pool.num_free == 6 and peak[0] <= 6
-    pool.check_invariants()
 
 
 # --- properties -----------------------------------------------------------------------------------

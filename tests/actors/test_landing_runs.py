@@ -173,6 +173,9 @@ def test_acquire_run_waits_for_a_run_then_serves_fifo():
 
 
 def test_run_hammer_random_threads_never_overlap_and_never_deadlock():
+    """8 threads lease runs and single blocks (acquire_run / acquire, 1-7 blocks) at random and
+    hold them for random times: no block is ever held twice (so never more than the capacity),
+    no thread is left waiting, and the pool ends whole."""
     pool = StagingPool(7)
     lock = threading.Lock()
     owned: set[int] = set()
