@@ -1,6 +1,6 @@
 """Benchmark (not a test): the per-step hot-buffer hit/miss count, batched (``HiSparseRuntime.
 hot_counts``: one GPU -> CPU read per step) against its per-row definition
-(``runtime.hot_counts_reference``: three reads per anchor layer and batch row), same process, same
+(``runtime.hot_counts_reference``: two reads per anchor layer and batch row), same process, same
 tensors. It runs once per decode step for the metrics, after the forward.
 
 Shapes: DeepSeek-V3.2-like (top-k 2048, hot buffer H, every one of 61 layers its own indexer

@@ -228,7 +228,7 @@ class HiSparseRuntime:
         served by a hot slot that already held them, and positions copied in from host. Reads back
         to the host: for metrics, not for the decode path. Computed on the device for the whole
         batch and every anchor layer, then read back once (one GPU -> CPU sync per step; the
-        per-row loop it replaced synced three times per anchor layer and row)."""
+        per-row loop it replaced synced twice per anchor layer and row)."""
         st = self._step
         if st is None:
             return [], []
@@ -254,8 +254,8 @@ class HiSparseRuntime:
 
 def hot_counts_reference(step, anchor_rows: dict[int, Tensor], anchor_plan: dict[int, Tensor],
                          H: int) -> tuple[list[int], list[int]]:
-    """The definition of ``HiSparseRuntime.hot_counts``, row by row (three GPU -> CPU reads per
-    anchor layer and row): the reference its batched form is tested and benchmarked against."""
+    """The definition of ``HiSparseRuntime.hot_counts``, row by row (two GPU -> CPU reads per
+    anchor layer and row, one per anchor layer): the reference its batched form is tested and benchmarked against."""
     B = step.slot_rows.shape[0]
     hits, misses = [0] * B, [0] * B
     for layer, rows in anchor_rows.items():
