@@ -76,6 +76,24 @@ def test_host_and_resident_landings_tp2_match_full_resident(replica):
     assert 0 <= rows["h0"]["hot_hit_rate"] < 1  # long contexts miss the 16-slot buffer
     m = ray.get(replica.coordinator.metrics.remote())
     assert m["counters"]["backups"] > 0 and m["hot_misses"] > 0
+    _check_step_traces(replica)
+
+
+def _check_step_traces(rep):
+    """The per-stage step stamps the control-plane benchmark reads: every step the coordinator
+    ran is in every rank's trace, and each process's stamps are in stage order."""
+    coord = ray.get(rep.coordinator.get_step_trace.remote())
+    ranks = [{t[0]: t for t in ray.get(r.get_step_trace.remote())} for r in rep.ranks]
+    assert coord and len({t[0] for t in coord}) == len(coord)
+    for step, start, sent, found, decoded in coord:
+        assert len(sent) == len(found) == len(decoded) == SPEC.tp_size
+        assert start <= sent[0] <= sent[-1] and all(f <= d for f, d in zip(found, decoded))
+        for r, trace in enumerate(ranks):
+            _, r_found, r_decoded, r_executed, r_sent = trace[step]
+            assert r_found <= r_decoded <= r_executed <= r_sent
+            # one clock on one host; a peer may run before the other's send() returned, so only
+            # causal pairs: found after the command was started, decoded after the report existed
+            assert start <= r_found and r_executed <= decoded[r]
 
 
 def test_staged_host_landing_in_chunks_matches_full_resident(replica):
