@@ -321,6 +321,12 @@ class Coordinator:
         """(step, command-to-last-report seconds) of the recent steps (benchmarks)."""
         return list(self.step_log)
 
+    def get_landing_trace(self) -> list[tuple[str, float, float, float]]:
+        """(request id, prefill done, first chunk issued, every call ended) ``perf_counter``
+        stamps of the recent landings of every lander (benchmarks; see ``DecodeWorker`` and
+        ``PrefillWorker.get_landing_trace``)."""
+        return [t for lander in self._landers for t in lander.trace]
+
     def get_step_trace(self) -> list[tuple]:
         """(step, start, sent per rank, report found per rank, decoded per rank)
         ``perf_counter`` stamps of the recent steps (benchmarks; see ``DecodeWorker``)."""

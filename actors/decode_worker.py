@@ -74,6 +74,9 @@ class DecodeWorker:
         self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, execute s)
         # (step, found, decoded, executed, report sent): perf_counter() stamps, one clock per host
         self.step_trace: collections.deque = collections.deque(maxlen=100_000)
+        # (request id, call started, first notification, staging copied, call done) per
+        # complete_landing: perf_counter() stamps (benchmarks)
+        self.landing_trace: collections.deque = collections.deque(maxlen=10_000)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def node_info(self) -> dict:
@@ -216,14 +219,18 @@ class DecodeWorker:
         G = max(1, step.layer_groups)
         L = len(self.staging)
         seconds = 0.0
+        t_enter = t_notified = time.perf_counter()
         for g in range(G):  # group g is copied to host while later groups are still written
             if step.notif is not None:
                 self.wait_notification(group_notif(step.notif, g, G), step.timeout_s, rid)
+                if g == 0:
+                    t_notified = time.perf_counter()
             if step.unstage is not None:
                 first, host_blocks, pages = step.unstage
                 seconds += self.unstage_run(first, list(host_blocks), list(pages),
                                             step.num_positions,
                                             [l for l in range(L) if layer_group(l, L, G) == g])
+        t_copied = time.perf_counter()
         keys = None if index_keys is None else torch.from_numpy(index_keys.copy())
         with self._lock:
             if rid in self._cancelled:
@@ -243,7 +250,13 @@ class DecodeWorker:
                     torch.cuda.current_stream().synchronize()
             if step.last:
                 index[rid].length = step.num_positions
+        self.landing_trace.append((rid, t_enter, t_notified, t_copied, time.perf_counter()))
         return seconds
+
+    def get_landing_trace(self) -> list[tuple[str, float, float, float, float]]:
+        """(request id, call started, first notification, staging copied, call done)
+        ``perf_counter`` stamps of the recent ``complete_landing`` calls (benchmarks)."""
+        return list(self.landing_trace)
 
     def drop_landing(self, request_id: str) -> None:
         """Forget a landing that failed (its keys may have reached some ranks): running and later

@@ -65,6 +65,8 @@ class Lander:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"lander-{agent}", daemon=True)
         self._stop = threading.Event()
+        # (request id, prefill done, first chunk issued, every call ended): perf_counter() stamps
+        self.trace: collections.deque = collections.deque(maxlen=10_000)
 
     def start(self) -> None:
         self._thread.start()
@@ -127,6 +129,7 @@ class Lander:
         parts = chunk_pages(pages, self.staging.capacity, IN_FLIGHT) if staged \
             else [tuple(pages)]
         inflight: collections.deque = collections.deque()
+        t_issued = None
         try:
             for i, part in enumerate(parts):
                 blocks = lease_run(self.staging, len(part), inflight, self._finish) \
@@ -139,6 +142,8 @@ class Lander:
                         self.staging.release(blocks)
                     raise
                 inflight.append((rid, refs, blocks))
+                if t_issued is None:
+                    t_issued = time.perf_counter()
                 while len(inflight) >= IN_FLIGHT + (0 if staged else 1):
                     self._finish(inflight.popleft())
             while inflight:
@@ -147,7 +152,9 @@ class Lander:
             self._abandon(rid, inflight)
             raise
         self.prefill.drop.remote(rid)  # no need to wait: a later prefill replaces it anyway
-        return self._moved, time.perf_counter() - t0, self._data_s, path
+        t_end = time.perf_counter()
+        self.trace.append((rid, t0, t_issued, t_end))
+        return self._moved, t_end - t0, self._data_s, path
 
     def _issue(self, adm: Admission, path: str, block: dict[int, int], part: tuple,
                blocks: tuple, i: int, last: bool, capacity: int, index_keys) -> list:

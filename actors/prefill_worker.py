@@ -5,6 +5,7 @@ with NIXL WRITEs into the landing target the coordinator picked. Plain class; ma
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -58,6 +59,8 @@ class PrefillWorker:
         self._held: tuple[str, int] | None = None  # (request id, positions) in the send buffer
         self.stats = {"prefills": 0, "pushes": 0, "pushed_bytes": 0, "push_s": 0.0, "prefill_s": 0.0,
                       "failed_pushes": 0}
+        # (request id, call started, WRITEs planned, last DONE): perf_counter() per push
+        self.landing_trace: collections.deque = collections.deque(maxlen=10_000)
 
     def ready(self) -> str:
         return self.engine.name
@@ -136,6 +139,7 @@ class PrefillWorker:
         returns (bytes moved, seconds from the first post to the last DONE). Pushes of one
         request may run in any order; ``drop`` frees the send buffers.
         TransferError / TransferTimeoutError after the last attempt, tagged with the request id."""
+        t_enter = time.perf_counter()
         with self._lock:
             if self._held is None or self._held[0] != order.request_id:
                 raise StateError(f"request {order.request_id!r} is not held by prefill worker "
@@ -157,11 +161,14 @@ class PrefillWorker:
                         if segs:
                             jobs.append((segs, group_notif(dest.notif, g, len(groups))))
                             moved += sum(s.nbytes for s in segs)
+                t_planned = time.perf_counter()
                 self._write_all(jobs, order)
             except Exception:
                 self.stats["failed_pushes"] += 1
                 raise
-            dt = time.perf_counter() - t0
+            t_done = time.perf_counter()
+            dt = t_done - t0
+            self.landing_trace.append((order.request_id, t_enter, t_planned, t_done))
             self.stats["pushes"] += 1
             self.stats["pushed_bytes"] += moved
             self.stats["push_s"] += dt
@@ -191,6 +198,11 @@ class PrefillWorker:
 
     def get_stats(self) -> dict:
         return dict(self.stats)
+
+    def get_landing_trace(self) -> list[tuple[str, float, float, float]]:
+        """(request id, push call started, WRITEs planned, last WRITE DONE) ``perf_counter``
+        stamps of the recent pushes (benchmarks; comparable with the decode side's on one host)."""
+        return list(self.landing_trace)
 
     def shutdown(self) -> None:
         self.engine.close()

@@ -109,8 +109,36 @@ def step_stages(coord_trace: list, rank_traces: list[list]) -> dict:
     return {k: statistics.median(v) * 1e6 for k, v in cols.items()}
 
 
-def bench_landing(rep, tokens: int, repeats: int, paths: list[str], kv_bytes_per_token: int
-                  ) -> dict:
+def landing_phases(rids: list[str], lander: list, pushes: list, ranks: list[list]) -> dict:
+    """Median milliseconds of each phase of the landings ``rids``, from the lander's, the
+    prefill worker's and the ranks' ``perf_counter`` traces (one host, one clock): ``issue``
+    (prefill done -> first chunk's calls submitted), ``push start`` (-> the push call runs),
+    ``plan`` (-> WRITEs built), ``write`` (-> last WRITE DONE), ``notify`` (-> rank 0 saw its
+    first notification; negative when it came before the sender saw DONE), ``copy`` (-> staging
+    copied to host), ``rank finish`` (-> rank 0's keys installed, call returned), ``return``
+    (-> the lander saw every call end). Multi-chunk landings: first start, last end."""
+    first = lambda rows, rid, k: min(t[k] for t in rows if t[0] == rid)  # noqa: E731
+    last = lambda rows, rid, k: max(t[k] for t in rows if t[0] == rid)  # noqa: E731
+    cols: dict[str, list[float]] = collections.defaultdict(list)
+    for rid in rids:
+        if not all(any(t[0] == rid for t in rows) for rows in (lander, pushes, *ranks)):
+            continue
+        t0, issued, end = first(lander, rid, 1), first(lander, rid, 2), last(lander, rid, 3)
+        p_enter, p_plan, p_done = first(pushes, rid, 1), first(pushes, rid, 2), last(pushes, rid, 3)
+        r0 = ranks[0]
+        notified, copied, r_end = first(r0, rid, 2), last(r0, rid, 3), last(r0, rid, 4)
+        all_end = max(last(rows, rid, 4) for rows in ranks)
+        for k, v in (("issue", issued - t0), ("push start", p_enter - t0),
+                     ("plan", p_plan - p_enter), ("write", p_done - p_plan),
+                     ("notify", notified - p_done), ("copy", copied - notified),
+                     ("rank finish", r_end - copied), ("return", end - max(all_end, p_done)),
+                     ("end to end", end - t0)):
+            cols[k].append(v * 1e3)
+    return {k: statistics.median(v) for k, v in cols.items()}
+
+
+def bench_landing(rep, tokens: int, repeats: int, paths: list[str], kv_bytes_per_token: int,
+                  workers: dict | None = None) -> dict:
     """Median host-landing GB/s per path for prompts of ``tokens`` tokens: end to end after
     prefill (every Ray call, NIXL WRITE, staging copy and key install of the landing: what a
     request waits for) and the data path alone (sum of NIXL WRITE and staging-copy seconds),
@@ -141,6 +169,14 @@ def bench_landing(rep, tokens: int, repeats: int, paths: list[str], kv_bytes_per
         out[path] = {"kv_bytes": kv, "moved_bytes": moved,
                      "e2e_GBps": statistics.median(e2e), "data_path_GBps": statistics.median(data),
                      "e2e_all_GBps": e2e, "runs": len(e2e)}
+        if workers and path in workers:
+            out[path]["phases_ms"] = phases = landing_phases(
+                [f"land-{path}-{tokens}-{i}" for i in range(1, repeats + 1)],
+                ray.get(coord.get_landing_trace.remote()),
+                ray.get(workers[path].get_landing_trace.remote()),
+                ray.get([r.get_landing_trace.remote() for r in rep.ranks]))
+            print(f"  {path} {tokens} tokens, phases (median ms): " + "  ".join(
+                f"{k}={v:.2f}" for k, v in phases.items()), flush=True)
     nbytes = kv
     if torch.cuda.is_available():
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
@@ -228,7 +264,8 @@ def main() -> int:
             land = {str(t): bench_landing(
                 rep, t, args.repeats,
                 [p for p in args.paths if p != "direct" or args.direct_max_tokens is None
-                 or t <= args.direct_max_tokens], per_token)
+                 or t <= args.direct_max_tokens], per_token,
+                dict(zip(("direct", "staged"), workers)))
                 for t in args.tokens} if args.only != "control" else {}
         finally:
             rep.shutdown()

@@ -27,7 +27,7 @@ case "${1:-run}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     python3 -c "import torch, cupy, ray, nixl, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
     # full logs under $OUT; the reply shows progress lines and tables only
-    keep='^ +\[|replica up|^landing|^path|^direct|^staged|^control|^measure|^shm|^ray|^Ray|^[a-z_ ]+[0-9.]+ +[0-9.]+|Error|error'
+    keep='^ +\[|phases|replica up|^landing|^path|^direct|^staged|^control|^measure|^shm|^ray|^Ray|^[a-z_ ]+[0-9.]+ +[0-9.]+|Error|error'
     land() {  # land NAME TIMEOUT ARGS...: one bench_control_plane landing run
       local name=$1 t=$2; shift 2
       timeout "$t" python3 benchmarks/bench_control_plane.py --only landing --model landing \
