@@ -89,14 +89,25 @@ def make_report(cmd: StepCommand) -> StepReport:
         hits_by_request=tuple((r.request_id, 3, 1) for r in cmd.batch) if lead else ())
 
 
+_SCRATCH: dict[int, tuple[bytearray, bytearray]] = {}
+
+
+def thrash(nbytes: int) -> None:
+    """Copy ``nbytes`` between two buffers: evicts this core's caches the way a model forward
+    does (the stand-in for "right after execute" when no GPU is at hand; 0 = nothing)."""
+    if nbytes:
+        src, dst = _SCRATCH.setdefault(nbytes, (bytearray(b"\x01") * nbytes, bytearray(nbytes)))
+        memoryview(dst)[:] = src
+
+
 def rank_main(ctrl, results) -> None:
-    """A TP rank process: for each session on ``ctrl`` (config, spec, steps, exec_us), serve
-    that many steps and put the per-step execute seconds on ``results``."""
+    """A TP rank process: for each session on ``ctrl`` (config, spec, steps, exec_us, thrash
+    bytes), serve that many steps and put the per-step execute seconds on ``results``."""
     while True:
         job = ctrl.get()
         if job is None:
             return
-        config, spec, n, exec_s = job
+        config, spec, n, exec_s, thrash_bytes = job
         factory, policy = ALL_CONFIGS[config]
         execs = []
         with ChannelPair.attach(spec, policy=policy, codec=factory()) as pair:
@@ -106,6 +117,7 @@ def rank_main(ctrl, results) -> None:
                 report = make_report(cmd)
                 if exec_s:
                     time.sleep(exec_s)
+                thrash(thrash_bytes)
                 execs.append(time.perf_counter() - t0)
                 pair.send(report, timeout=120)
         results.put(execs)
@@ -168,7 +180,8 @@ def codec_costs(batch: int, hot_blocks: int, steps: int) -> list[dict]:
 
 
 def channel_run(config: str, tp: int, batch: int, hot_blocks: int, exec_us: float, n: int,
-                warmup: int, ranks: list) -> tuple[list[float], list[float]]:
+                warmup: int, ranks: list, thrash_bytes: int = 0
+                ) -> tuple[list[float], list[float]]:
     factory, policy = CONFIGS[config]
     _MEMO.clear()  # an earlier run's encodings of equal steps would make this one look cheap
     total = warmup + n
@@ -176,13 +189,14 @@ def channel_run(config: str, tp: int, batch: int, hot_blocks: int, exec_us: floa
     pairs = [ChannelPair.create(1 << 20, policy=policy, codec=factory()) for _ in range(tp)]
     try:
         for (ctrl, _), pair in zip(ranks, pairs):
-            ctrl.put((config, pair.spec, total, exec_us * 1e-6))
+            ctrl.put((config, pair.spec, total, exec_us * 1e-6, thrash_bytes))
         rts = []
         for i in range(total):
             cmds = cycle[i % len(cycle)]
             if i >= len(cycle):  # keep steps distinct and increasing (a stream, as in a run)
                 cmds = [StepCommand(i, c.rank, c.batch, c.table_diffs, c.transfers, c.backups)
                         for c in cmds]
+            thrash(thrash_bytes)  # the coordinator's own work between steps, not timed
             t0 = time.perf_counter()
             for pair, cmd in zip(pairs, cmds):
                 pair.send(cmd, 120)
@@ -198,18 +212,21 @@ def channel_run(config: str, tp: int, batch: int, hot_blocks: int, exec_us: floa
                                                  zip(rts[warmup:], slowest[warmup:])]
 
 
-def channel_rows(tp: int, batch: int, a, exec_us: float, ranks: list) -> list[dict]:
+def channel_rows(tp: int, batch: int, a, exec_us: float, ranks: list, thrash_mb: float = 0
+                 ) -> list[dict]:
     """Old and new alternate in ``a.rounds`` rounds (a load change on the machine hits both)."""
     samples = {c: ([], []) for c in CONFIGS}
     for _ in range(a.rounds):
         for config in CONFIGS:
             rts, over = channel_run(config, tp, batch, a.hot_blocks, exec_us,
-                                    max(1, a.iters // a.rounds), a.warmup, ranks)
+                                    max(1, a.iters // a.rounds), a.warmup, ranks,
+                                    int(thrash_mb * 2**20))
             samples[config][0].extend(rts)
             samples[config][1].extend(over)
     rows = []
     for config, (rts, over) in samples.items():
         row = {"config": config, "tp": tp, "batch": batch, "exec_us": exec_us,
+               "thrash_mb": thrash_mb,
                "round_trip_p50_us": statistics.median(rts)}
         row.update({"overhead_" + k: v for k, v in _q(over).items()})
         rows.append(row)
@@ -223,6 +240,10 @@ def main() -> None:
     ap.add_argument("--hot-blocks", type=int, default=33, help="hot-buffer blocks per request")
     ap.add_argument("--exec-us", type=float, nargs="+", default=[0.0, 2000.0],
                     help="emulated execute time per step on each rank (slept)")
+    ap.add_argument("--thrash-mb", type=float, nargs="+", default=[0.0],
+                    help="MB each rank copies in its execute and the coordinator between steps: "
+                         "cold caches, as after a model forward (H200 actor run: each codec "
+                         "stage 3-5x its warm cost)")
     ap.add_argument("--iters", type=int, default=450)
     ap.add_argument("--configs", nargs="+", default=["old", "new"], choices=list(ALL_CONFIGS))
     ap.add_argument("--warmup", type=int, default=30)
@@ -244,10 +265,11 @@ def main() -> None:
         p.start()
     chan_rows = []
     try:
-        for exec_us in a.exec_us:
-            for tp in a.tp:
-                for batch in a.batch:
-                    chan_rows += channel_rows(tp, batch, a, exec_us, ranks[:tp])
+        for thrash_mb in a.thrash_mb:
+            for exec_us in a.exec_us:
+                for tp in a.tp:
+                    for batch in a.batch:
+                        chan_rows += channel_rows(tp, batch, a, exec_us, ranks[:tp], thrash_mb)
     finally:
         for ctrl, _ in ranks:
             ctrl.put(None)
@@ -285,17 +307,17 @@ def _print(a, codec_rows: list[dict], chan_rows: list[dict]) -> None:
               f"{r['rep_dec_p50_us']:>8.1f} "
               f"{s:>8.1f} {r['coord_tp2_p50_us']:>10.1f} {ratio:>8}")
     print("\nstep round trip through real channels; overhead = round trip - slower rank's execute")
-    print(f"{'exec us':>7} {'tp':>3} {'batch':>5} {'cfg':>5} {'rt p50':>8} {'ovh p50':>8} "
-          f"{'ovh p90':>8} {'ovh p99':>9} {'new/old p50':>12}")
+    print(f"{'thrash MB':>9} {'exec us':>7} {'tp':>3} {'batch':>5} {'cfg':>5} {'rt p50':>8} "
+          f"{'ovh p50':>8} {'ovh p90':>8} {'ovh p99':>9} {'new/old p50':>12}")
     old = {}
     for r in chan_rows:
-        key = (r["exec_us"], r["tp"], r["batch"])
+        key = (r["thrash_mb"], r["exec_us"], r["tp"], r["batch"])
         ratio = ""
         if r["config"] == "old":
             old[key] = r["overhead_p50_us"]
         elif key in old:
             ratio = f"{r['overhead_p50_us'] / old[key]:.2f}"
-        print(f"{r['exec_us']:>7.0f} {r['tp']:>3} {r['batch']:>5} {r['config']:>5} "
+        print(f"{r['thrash_mb']:>9g} {r['exec_us']:>7.0f} {r['tp']:>3} {r['batch']:>5} {r['config']:>5} "
               f"{r['round_trip_p50_us']:>8.1f} {r['overhead_p50_us']:>8.1f} "
               f"{r['overhead_p90_us']:>8.1f} {r['overhead_p99_us']:>9.1f} {ratio:>12}")
 
