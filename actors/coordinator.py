@@ -58,8 +58,6 @@ class Coordinator:
         self._prompts: dict[str, list[int]] = {}
         self._route: dict[str, int] = {}
         self._channels: list[ChannelPair] = []
-        self._found: list[float] = []
-        self._decoded: list[float] = []
         self._landers: list[Lander] = []
         blocks = self.endpoints[0].staging_blocks
         self.staging = StagingPool(blocks) if blocks else None  # rank 0's, FIFO over all landers
@@ -82,8 +80,6 @@ class Coordinator:
         if self._thread is not None:
             raise StateError("coordinator already started")
         self._channels = [ChannelPair.create(policy=self.spec.wait_policy()) for _ in self.ranks]
-        self._found = [0.0] * len(self.ranks)  # per-rank report stamps of the current step
-        self._decoded = [0.0] * len(self.ranks)
         ray.get([r.attach_channel.remote(ch.spec) for r, ch in zip(self.ranks, self._channels)])
         self._thread = threading.Thread(target=self._step_loop, name="coordinator-steps", daemon=True)
         self._thread.start()
@@ -286,14 +282,16 @@ class Coordinator:
             "staging_free_blocks": self.staging.num_free if self.staging else 0,
         }
 
-    def _gather_reports(self, timeout: float) -> list:
+    def _gather_reports(self, timeout: float) -> tuple[list, list[float], list[float]]:
         """One report per rank, taken in whatever order they arrive, so that a dead rank is
         noticed at once (``ChannelPeerLostError``) even while a live one is blocked in a
-        collective waiting for it. ``ChannelTimeoutError`` after ``timeout`` s."""
+        collective waiting for it; with each report's ``perf_counter`` stamps (found, decoded)
+        for the step trace. ``ChannelTimeoutError`` after ``timeout`` s."""
         from hisparse_ray.errors import ChannelTimeoutError
 
         reports: list = [None] * len(self._channels)
-        found, decoded = self._found, self._decoded
+        found = [0.0] * len(self._channels)
+        decoded = [0.0] * len(self._channels)
         deadline = time.monotonic() + timeout
         turn = -1
         while True:
@@ -306,7 +304,7 @@ class Coordinator:
                     else:
                         missing.append(i)
             if not missing:
-                return reports
+                return reports, found, decoded
             if time.monotonic() >= deadline:
                 raise ChannelTimeoutError(f"no step report from ranks {missing} after {timeout} s")
             # wait on one missing channel (in turn: each peer's liveness gets checked), waking
@@ -346,7 +344,7 @@ class Coordinator:
                 t0 = time.perf_counter()
                 for ch, cmd in zip(self._channels, cmds):
                     ch.send(cmd, timeout)
-                reports = self._gather_reports(timeout)
+                reports, _, _ = self._gather_reports(timeout)
                 out.append(time.perf_counter() - t0)
                 if [(r.step, r.rank) for r in reports] != [(c.step, c.rank) for c in cmds]:
                     raise StateError(f"probe reports out of order: {reports}")
@@ -371,12 +369,12 @@ class Coordinator:
                     for ch, cmd in zip(self._channels, cmds):
                         ch.send(cmd, timeout)
                         sent.append(time.perf_counter())
-                    reports = self._gather_reports(timeout)
+                    reports, found, decoded = self._gather_reports(timeout)
                     dt = time.perf_counter() - t0
                 self.step_s.append(dt)
                 self.step_log.append((cmds[0].step, dt))
-                self.step_trace.append((cmds[0].step, t0, tuple(sent), tuple(self._found),
-                                        tuple(self._decoded)))
+                self.step_trace.append((cmds[0].step, t0, tuple(sent), tuple(found),
+                                        tuple(decoded)))
                 with self.cond:
                     for rep in reports:
                         self.core.apply_report(rep)

@@ -244,8 +244,8 @@ class HiSparseRuntime:
         rows = torch.stack(list(self._anchor_rows.values()))  # [A, B, K]
         in_hot = hot.unsqueeze(0).expand(rows.shape[0], -1, -1).gather(2, rows.clamp(min=0))
         served = (in_hot & (rows >= 0)).sum(dim=(0, 2))
-        plans = torch.stack(list(self._anchor_plan.values()))  # [A, B, K, 2]
-        miss = (plans[..., 0] >= 0).sum(dim=(0, 2))
+        plan_rows = torch.stack([p[..., 0] for p in self._anchor_plan.values()])  # [A, B, K]
+        miss = (plan_rows >= 0).sum(dim=(0, 2))
         # short sequences resolve without the LRU: neither hits nor misses
         counted = (st.seq_lens > self.H).to(torch.int64)
         hits, misses = torch.stack(((served - miss) * counted, miss * counted)).tolist()
@@ -255,7 +255,8 @@ class HiSparseRuntime:
 def hot_counts_reference(step, anchor_rows: dict[int, Tensor], anchor_plan: dict[int, Tensor],
                          H: int) -> tuple[list[int], list[int]]:
     """The definition of ``HiSparseRuntime.hot_counts``, row by row (two GPU -> CPU reads per
-    anchor layer and row, one per anchor layer): the reference its batched form is tested and benchmarked against."""
+    anchor layer and row, one per anchor layer): the reference its batched form is tested and
+    benchmarked against."""
     B = step.slot_rows.shape[0]
     hits, misses = [0] * B, [0] * B
     for layer, rows in anchor_rows.items():
