@@ -81,8 +81,12 @@ class DecodeWorker:
     # -- lifecycle -----------------------------------------------------------------------------------
     def node_info(self) -> dict:
         ctx = ray.get_runtime_context()
+        import torch.distributed as dist
+
+        gpu = torch.cuda.get_device_properties(0).uuid if self.spec.use_cuda else None
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
-                "ip": tp.node_ip()}
+                "ip": tp.node_ip(), "gpu": str(gpu) if gpu is not None else None,
+                "tp_backend": dist.get_backend() if dist.is_initialized() else None}
 
     def rendezvous(self) -> tp.Rendezvous:
         if self.rank != 0:

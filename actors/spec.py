@@ -64,7 +64,8 @@ class ReplicaSpec:
     num_device_blocks: device pool blocks per rank (MLA KV is replicated, so every rank has the
         same pool). staging_blocks: bounded GPU staging pool for host landing (blocks of one page
         in every layer) used when the prefill peer cannot write host memory natively.
-    gpus_per_rank: 0 on CPU; 0.5 puts both TP ranks on one GPU.
+    gpus_per_rank: 0 on CPU; 0.5 puts both TP ranks on one GPU (gloo TP group); more than 0.5
+        puts every rank on its own GPU (NCCL TP group; the ranks still share one host pool).
     max_batch: most requests per decode step. step_timeout_s: how long the coordinator waits for a
         rank's report before it declares the rank lost.
     landing_attempts / landing_timeout_s: NIXL WRITE retries and per-attempt deadline.

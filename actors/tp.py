@@ -3,8 +3,8 @@
 The launcher asks rank 0 for a rendezvous address (its node IP and a free TCP port, see
 :func:`rendezvous_address`), then every rank calls :func:`init_tp_group` with the same address at
 the same time: ``torch.distributed`` over gloo on CPU, NCCL on GPU. One group per process (the
-default group), which is what the model's head-sharded all-reduce uses. NCCL needs whole GPUs per
-rank; ranks sharing one GPU (``num_gpus=0.5``) use gloo.
+default group), which is what the model's head-sharded all-reduce uses. NCCL needs a GPU of its own
+per rank (``num_gpus > 0.5``); ranks that may share one GPU (``num_gpus <= 0.5``) use gloo.
 """
 
 from __future__ import annotations
@@ -58,9 +58,12 @@ def free_port(host: str = "") -> int:
 
 
 def default_backend(gpus_per_rank: float) -> str:
-    """NCCL when every rank owns whole GPUs; gloo on CPU and when ranks share a GPU (NCCL refuses
-    two ranks on one device; gloo all-reduces CUDA tensors through host memory)."""
-    return "nccl" if gpus_per_rank >= 1 else "gloo"
+    """NCCL when no two ranks of the group can share a GPU; gloo on CPU and when they may (NCCL
+    refuses two ranks on one device; gloo all-reduces CUDA tensors through host memory).
+
+    Ranks asking for more than half a GPU each never share one (Ray would need more than a whole
+    GPU), so 0.8 per rank puts every rank on its own GPU and leaves 0.2 of each for prefill."""
+    return "nccl" if gpus_per_rank > 0.5 else "gloo"
 
 
 def rendezvous_address(world_size: int, gpus_per_rank: float) -> Rendezvous:

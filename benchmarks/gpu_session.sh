@@ -6,6 +6,8 @@
 #   or, host landing at DeepSeek-V3.2 KV size:  bash benchmarks/gpu_session.sh landing
 #   or, landings of 64K / 128K tokens:           bash benchmarks/gpu_session.sh landing-big
 #   or, control plane (codec, channel, actors):  bash benchmarks/gpu_session.sh control
+#   or, on the two-GPU kind: TP 2 with a GPU per rank, tests:  bash benchmarks/gpu_session.sh two-gpu
+#                            step time TP 1 / TP 2 one GPU / TP 2 two GPUs:  ... tp-bench
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -16,7 +18,7 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -45,6 +47,21 @@ case "${1:-run}" in
           land "landing_big_g$g" 150 --tokens 65536 131072 --staging-blocks 2048 --repeats 2 \
             --synthetic-prefill --layer-groups "$g"
         done
+        exit 0 ;;
+      two-gpu)  # ~6 min: every two_gpus test and its one-GPU twin, then the demo across 2 GPUs
+        nvidia-smi topo -m | head -4
+        timeout 520 python3 -m pytest -q -s -p no:cacheprovider -m "gpu or two_gpus" \
+          tests/hostpool/test_ray.py "tests/e2e/test_gpu.py::test_tp2_landings_spills_restores_backups_match_full_resident" \
+          tests/e2e/test_gpu.py::test_demo_tp2_across_two_gpus 2>&1 | tee "$OUT/two_gpu_tests.log" \
+          | grep -E "passed|failed|PASSED|FAILED|Error|error|ranks on|^tp2" | tail -30
+        exit 0 ;;
+      tp-bench)  # ~5 min: decode step time per TP layout, tiny and landing-shaped models
+        timeout 250 python3 benchmarks/bench_tp.py --model tiny --requests 8 --context 2048 \
+          --new-tokens 32 --out "$OUT/tp_tiny.json" > "$OUT/tp_tiny.log" 2>&1
+        grep -E "$keep|^tp|^layout|up in|^decode" "$OUT/tp_tiny.log" | tail -10
+        timeout 300 python3 benchmarks/bench_tp.py --model landing --requests 8 --context 8192 \
+          --new-tokens 32 --out "$OUT/tp_landing.json" > "$OUT/tp_landing.log" 2>&1
+        grep -E "$keep|^tp|^layout|up in|^decode" "$OUT/tp_landing.log" | tail -10
         exit 0 ;;
       control)  # ~4 min: codec/channel bench and the actor system's control plane
         timeout 100 python3 benchmarks/bench_channel.py --configs old codec new yield \

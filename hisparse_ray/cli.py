@@ -59,6 +59,28 @@ def _use_gpu(flag: str) -> bool:
     return torch.cuda.is_available()
 
 
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpus_per_rank(flag: float | None, tp: int, gpus: int) -> float:
+    """``--gpus-per-rank``: as given, else one GPU per rank when the node has ``tp`` of them, else
+    all ranks on one GPU (1 / tp each). 0 when there is no GPU."""
+    if gpus == 0:
+        return 0.0
+    if flag is not None:
+        if not 0 < flag <= 1:
+            raise SystemExit(f"--gpus-per-rank: must be in (0, 1], got {flag}")
+        needed = tp if flag > 0.5 else flag * tp  # above 0.5 no two ranks share a GPU
+        if needed > gpus + 1e-9:
+            raise SystemExit(f"--gpus-per-rank {flag} with --tp {tp} needs {needed:g} GPUs, "
+                             f"{gpus} visible")
+        return flag
+    return 1.0 if gpus >= tp else 1.0 / tp
+
+
 def _specs(args: argparse.Namespace, cfg: HiSparseConfig):
     from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
 
@@ -66,7 +88,8 @@ def _specs(args: argparse.Namespace, cfg: HiSparseConfig):
     model = ModelSpec(kind=args.model, seed=args.seed, dtype=args.dtype)
     replica = ReplicaSpec(model=model, hisparse=cfg, page_size=args.page_size,
                           num_device_blocks=args.device_blocks, tp_size=args.tp,
-                          gpus_per_rank=(1.0 / args.tp) if gpu else 0.0)
+                          gpus_per_rank=gpus_per_rank(args.gpus_per_rank, args.tp,
+                                                      _gpu_count() if gpu else 0))
     prefill = PrefillSpec(model=model, gpus=0.0)
     return replica, prefill
 
@@ -74,10 +97,8 @@ def _specs(args: argparse.Namespace, cfg: HiSparseConfig):
 def _start_ray(num_cpus: int | None) -> None:
     import ray
 
-    import torch
-
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
-             num_gpus=1 if torch.cuda.is_available() else 0, include_dashboard=False,
+             num_gpus=_gpu_count(), include_dashboard=False,
              log_to_driver=False, configure_logging=False)
 
 
@@ -153,7 +174,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"hisparse-ray demo: {len(requests)} requests, contexts {lengths} tokens = "
           f"{min(lengths) / cfg.device_buffer_size:.0f}-{max(lengths) / cfg.device_buffer_size:.0f}x "
           f"the hot buffer ({cfg.device_buffer_size} slots), top-k {cfg.top_k}, "
-          f"{args.max_new_tokens} new tokens each, TP {args.tp}, device {replica_spec.device}")
+          f"{args.max_new_tokens} new tokens each, TP {args.tp}, device {replica_spec.device}"
+          + (f" ({replica_spec.gpus_per_rank:g} GPU per rank)" if replica_spec.use_cuda else ""))
     _start_ray(args.num_cpus)
     try:
         t0 = time.perf_counter()
@@ -254,6 +276,10 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
                    help="device pool blocks per rank (small: long contexts land on the host tier)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    p.add_argument("--gpus-per-rank", type=float, default=None,
+                   help="GPU share of each decode rank: 1 = a GPU per rank (NCCL TP group), "
+                        "0.5 = two ranks on one GPU (gloo); default: 1 if the node has --tp GPUs, "
+                        "else 1/tp")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="model and KV dtype (the exactness check batches differently from the "
                         "reference; float32 keeps greedy choices robust to that)")

@@ -12,21 +12,27 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 
-def _cuda_available() -> bool:
+def _cuda_count() -> int:
     try:
         import torch
     except ImportError:
-        return False
-    return torch.cuda.is_available()
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cuda_available() -> bool:
+    return _cuda_count() > 0
 
 
 def pytest_collection_modifyitems(config, items):
-    if _cuda_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    n = _cuda_count()
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    one_gpu = pytest.mark.skip(reason=f"needs two CUDA devices ({n} visible)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if n == 0 and ("gpu" in item.keywords or "two_gpus" in item.keywords):
+            item.add_marker(no_gpu)
+        elif n == 1 and "two_gpus" in item.keywords:
+            item.add_marker(one_gpu)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +45,7 @@ def ray_cluster():
         ray.init(
             address="local",
             num_cpus=int(os.environ.get("HISPARSE_TEST_CPUS", "4")),
-            num_gpus=1 if _cuda_available() else 0,
+            num_gpus=_cuda_count(),  # every GPU: two-GPU tests place one rank on each
             include_dashboard=False,
             log_to_driver=True,
         )

@@ -53,3 +53,24 @@ def test_main_reports_a_bad_config_in_one_line(capsys):
     assert cli.main(["generate", "--config", bad, "--ids", "1,2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hisparse-ray generate: invalid config") and "Traceback" not in err
+
+
+def test_gpus_per_rank_default_follows_the_gpu_count_and_bad_values_name_the_flag():
+    assert cli.gpus_per_rank(None, 2, 0) == 0.0  # CPU
+    assert cli.gpus_per_rank(None, 2, 1) == 0.5  # both ranks on the one GPU
+    assert cli.gpus_per_rank(None, 2, 2) == 1.0  # a GPU per rank
+    assert cli.gpus_per_rank(None, 2, 8) == 1.0
+    assert cli.gpus_per_rank(0.5, 2, 2) == 0.5  # asked: share one GPU anyway
+    assert cli.gpus_per_rank(0.8, 2, 2) == 0.8
+    with pytest.raises(SystemExit, match="--gpus-per-rank 1.0 with --tp 2 needs 2 GPUs, 1 visible"):
+        cli.gpus_per_rank(1.0, 2, 1)
+    with pytest.raises(SystemExit, match="must be in"):
+        cli.gpus_per_rank(0.0, 2, 2)
+    assert cli.build_parser().parse_args(["demo", "--gpus-per-rank", "1"]).gpus_per_rank == 1.0
+
+
+def test_tp_backend_is_nccl_only_when_no_two_ranks_can_share_a_gpu():
+    from hisparse_ray.actors import tp
+
+    assert [tp.default_backend(g) for g in (0.0, 0.25, 0.5, 0.51, 0.8, 1.0, 2.0)] == \
+        ["gloo", "gloo", "gloo", "nccl", "nccl", "nccl", "nccl"]

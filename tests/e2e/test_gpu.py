@@ -1,6 +1,8 @@
 """GPU runs (``gpu`` marker; the lead runs them on the H200): the demo with TP 2 on one GPU
 (``num_gpus=0.5`` per rank, gloo TP group, pinned + registered host pool), and a GPU prefill worker
-whose host landings go through the decode-side GPU staging pool."""
+whose host landings go through the decode-side GPU staging pool. ``two_gpus``: the same with one
+rank per GPU (NCCL TP group; the one pinned host pool mapped by both devices; rank 0's IPC events
+waited on by the other device's streams)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,70 @@ pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.nixl, pytest.mark.sl
 
 def test_demo_tp2_on_one_gpu():
     out = subprocess.run([sys.executable, "-m", "hisparse_ray.cli", "demo", "--device", "gpu",
-                          "--requests", "4"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          "--requests", "4", "--gpus-per-rank", "0.5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "PASS: HiSparse tokens equal full-resident decode" in out.stdout
-    assert "device cuda" in out.stdout
+    assert "device cuda (0.5 GPU per rank)" in out.stdout
+
+
+@pytest.mark.two_gpus
+def test_demo_tp2_across_two_gpus():
+    out = subprocess.run([sys.executable, "-m", "hisparse_ray.cli", "demo", "--device", "gpu",
+                          "--requests", "4", "--gpus-per-rank", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "PASS: HiSparse tokens equal full-resident decode" in out.stdout
+    assert "device cuda (1 GPU per rank)" in out.stdout
+
+
+@pytest.mark.parametrize("gpus_per_rank", [
+    pytest.param(0.4, id="one-gpu"), pytest.param(0.8, id="gpu-each", marks=pytest.mark.two_gpus)])
+def test_tp2_landings_spills_restores_backups_match_full_resident(ray_cluster, gpus_per_rank):
+    """Host and resident landings (staged, from a GPU prefill worker), resident requests that
+    outgrow a 12-block device pool (spills), a second wave reusing their published prefixes
+    (restores), and backups every step: tokens equal full-resident decode. ``gpu-each`` (0.8 per
+    rank: no two ranks fit one GPU, 0.2 left for prefill): the ranks are on different GPUs, the TP
+    group is NCCL, and they still share one host pool segment."""
+    import os
+
+    model = ModelSpec()
+    rid = f"tp2-{int(gpus_per_rank * 10)}"
+    spec = ReplicaSpec(model=model, tp_size=2, gpus_per_rank=gpus_per_rank, num_device_blocks=12,
+                       staging_blocks=4, replica_id=rid)
+    rep = launch.launch_replica(spec)
+    try:
+        infos = ray.get([r.node_info.remote() for r in rep.ranks])
+        assert (infos[0]["gpu"] != infos[1]["gpu"]) == (gpus_per_rank > 0.5), infos
+        assert {i["tp_backend"] for i in infos} == {"nccl" if gpus_per_rank > 0.5 else "gloo"}
+        assert ray.get([r.check_tp.remote() for r in rep.ranks]) == [3.0, 3.0]
+        segs = [n for n in os.listdir("/dev/shm") if n.startswith(f"hisparse-pool.{rid}.")]
+        assert len(segs) == 1, segs  # one host pool for both ranks
+        pf = launch.launch_prefill(PrefillSpec(model=model, gpus=0.2, name=rid))
+        assert launch.connect(rep, pf, "staged") == "staged"
+        rng = random.Random(0)
+        first = [(f"g{i}", [rng.randrange(1, 96) for _ in range(n)])
+                 for i, n in enumerate((150, 40, 120, 30, 56, 20))]
+        second = [("again1", first[1][1] + [7, 8]), ("again4", first[4][1][:48])]
+        rows: dict = {}
+        for wave, new in ((first, 24), (second, 8)):
+            for r, p in wave:
+                ray.get(rep.coordinator.submit.remote(r, p, new))
+            rows.update({r["request_id"]: r for r in ray.get(rep.coordinator.wait.remote(
+                [r for r, _ in wave], 300))})
+        c = ray.get(rep.coordinator.metrics.remote())["counters"]
+    finally:
+        rep.shutdown()
+    for wave, new in ((first, 24), (second, 8)):
+        ref = full_resident_tokens(model, [p for _, p in wave], new, [r for r, _ in wave],
+                                   device="cuda")
+        for r, _ in wave:
+            assert rows[r]["error"] is None, rows[r]
+            assert rows[r]["tokens"] == ref[r], r
+    assert rows["g0"]["target"] == "host" and rows["g1"]["target"] == "resident"
+    assert c["spills"] > 0 and c["restores"] > 0 and c["backups"] > 0, c
+    print(f"\n{rid}: ranks on {[i['gpu'][-8:] for i in infos]}, counters "
+          f"spills {c['spills']} restores {c['restores']} backups {c['backups']}")
 
 
 @pytest.mark.parametrize("path", ["staged", "direct"])

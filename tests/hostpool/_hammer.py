@@ -173,6 +173,10 @@ class PoolActor:
 
         return os.getpid()
 
+    def gpu(self) -> str:
+        """This actor's GPU (its UUID: Ray shows each actor only the GPUs it was given)."""
+        return str(torch.cuda.get_device_properties(0).uuid)
+
     def create(self, replica_id: str, prefix: str, register_cuda: bool = False) -> str:
         self.pool = HostPool.create(replica_id, LAYOUT, NUM_BLOCKS, register_cuda=register_cuda,
                                     prefix=prefix)

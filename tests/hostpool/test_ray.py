@@ -59,13 +59,19 @@ def test_killed_owner_actor_leaves_a_segment_that_cleanup_removes(ray_cluster):
 
 @pytest.mark.gpu
 @pytest.mark.ray
-def test_gpu_actors_spill_publish_restore_through_ipc_events(ray_cluster):
+@pytest.mark.parametrize("num_gpus", [0.5, pytest.param(1, marks=pytest.mark.two_gpus)],
+                         ids=["one-gpu", "gpu-each"])
+def test_gpu_actors_spill_publish_restore_through_ipc_events(ray_cluster, num_gpus):
     """Rank 0 spills device pages on a side stream behind a long sleep kernel and publishes at
-    once; the peer's stream waits on the IPC event, restores the pages and compares bytes."""
+    once; the peer's stream waits on the IPC event, restores the pages and compares bytes.
+    ``gpu-each``: the peer's stream is on another GPU than the event (Ray shows each actor only
+    its own GPU) and both GPUs map the one pinned pool."""
     ray = ray_cluster
-    owner, peer = _actors(ray, 2, num_cpus=0, num_gpus=0.5)
+    owner, peer = _actors(ray, 2, num_cpus=0, num_gpus=num_gpus)
     rng = random.Random(5)
     try:
+        gpus = ray.get([owner.gpu.remote(), peer.gpu.remote()])
+        assert (gpus[0] != gpus[1]) == (num_gpus == 1), gpus
         name = ray.get(owner.create.remote("gpu", PREFIX, True))
         ray.get(peer.attach.remote(name, True))
         for round_ in range(6):
