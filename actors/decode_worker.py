@@ -17,7 +17,7 @@ import torch
 
 from hisparse_ray.actors import tp
 from hisparse_ray.actors.landing import (
-    RankEndpoint, RankLandingStep, copy_runs, group_notif, layer_group, unstage_runs,
+    RankEndpoint, RankLandingStep, copy_runs, group_notif, layer_group, unpack, unstage_runs,
 )
 from hisparse_ray.actors.spec import ReplicaSpec
 from hisparse_ray.channel import ChannelPair, ChannelSpec
@@ -211,19 +211,21 @@ class DecodeWorker:
                 self.pool.publish()
         return time.perf_counter() - t0
 
-    def complete_landing(self, step: RankLandingStep, index_keys: Any = None) -> float:
+    def complete_landing(self, step: RankLandingStep | bytes, index_keys: Any = None) -> float:
         """The decode side of one landing chunk in ONE Ray call (see :class:`RankLandingStep`):
         notification wait, staging -> host copy, key copy, and on the last chunk the key cache's
         length. ``index_keys``: the whole prompt's keys as numpy ``[L, T, d]`` (the fallback for a
         replica without key staging; they travel through Ray's object store). Calls of different
         chunks may run at once (the lander pipelines chunks); each copy runs under the executor
         lock, so never inside a decode step. Returns the seconds of the staging -> host copy
-        (0.0 without one)."""
+        (0.0 without one). ``step`` may come as :func:`~hisparse_ray.actors.landing.pack`'s bytes."""
+        t_enter = time.perf_counter()
+        step = unpack(step)
         rid = step.request_id
         G = max(1, step.layer_groups)
         L = len(self.staging)
         seconds = 0.0
-        t_enter = t_notified = time.perf_counter()
+        t_notified = t_enter
         for g in range(G):  # group g is copied to host while later groups are still written
             if step.notif is not None:
                 self.wait_notification(group_notif(step.notif, g, G), step.timeout_s, rid)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from hisparse_ray.actors.landing import (
-    LandingOrder, StagingPool, chunk_pages, lease_run, page_positions, plan_chunk,
+    LandingOrder, StagingPool, chunk_pages, lease_run, pack, page_positions, plan_chunk,
 )
 from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutError
 from hisparse_ray.types import Admission, LandingTarget
@@ -176,12 +176,12 @@ class Lander:
             # deadline is later, so a request's blocks are never released under a live WRITE.
             # Pushes of one request may run out of order on the worker's threads: the lander
             # drops the send buffer once every chunk is done
-            refs[0] = self.prefill.push.remote(order, P)
+            refs[0] = self.prefill.push.remote(pack(order), P)
         # fallback without key staging: one object-store copy serves every rank (a top-level
         # argument, so Ray resolves it on the rank)
         keys_ref = ray.put(index_keys) if index_keys is not None and i == 0 else None
         for r, step in zip(ranks, steps):
-            refs.append(r.complete_landing.remote(step, keys_ref))
+            refs.append(r.complete_landing.remote(pack(step), keys_ref))
         return refs
 
     def _finish(self, item) -> None:

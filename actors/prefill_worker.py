@@ -12,7 +12,7 @@ import time
 import torch
 
 from hisparse_ray.actors.landing import (
-    LandingOrder, PrefillResult, group_notif, split_by_memory_kind, write_groups,
+    LandingOrder, PrefillResult, group_notif, split_by_memory_kind, unpack, write_groups,
 )
 from hisparse_ray.actors.spec import PrefillSpec
 from hisparse_ray.errors import CapacityError, StateError
@@ -133,13 +133,15 @@ class PrefillWorker:
                 T, self.key_row_bytes)
         return keys
 
-    def push(self, order: LandingOrder, page_size: int) -> tuple[int, float]:
+    def push(self, order: LandingOrder | bytes, page_size: int) -> tuple[int, float]:
         """WRITE ``order``'s pages of the held request (one WRITE + notification per dest, with
         retries; consecutive pages into consecutive blocks are one descriptor per layer);
         returns (bytes moved, seconds from the first post to the last DONE). Pushes of one
         request may run in any order; ``drop`` frees the send buffers.
-        TransferError / TransferTimeoutError after the last attempt, tagged with the request id."""
+        TransferError / TransferTimeoutError after the last attempt, tagged with the request id.
+        ``order`` may come as :func:`~hisparse_ray.actors.landing.pack`'s bytes."""
         t_enter = time.perf_counter()
+        order = unpack(order)
         with self._lock:
             if self._held is None or self._held[0] != order.request_id:
                 raise StateError(f"request {order.request_id!r} is not held by prefill worker "

@@ -73,6 +73,9 @@ def run_layout(name: str, model: ModelSpec, args, gpu: bool, requests) -> dict:
             [r for r, _ in requests], 1200))}
         wall = time.perf_counter() - t1
         log = ray.get(rep.coordinator.get_step_log.remote())[steps0:]
+        measured = {step for step, _ in log}
+        rank_exec = [statistics.median([s for step, s in ray.get(r.get_step_log.remote())
+                                        if step in measured]) * 1e3 for r in rep.ranks]
         m = ray.get(rep.coordinator.metrics.remote())
     finally:
         rep.shutdown()
@@ -86,6 +89,7 @@ def run_layout(name: str, model: ModelSpec, args, gpu: bool, requests) -> dict:
         "tp_backend": infos[0]["tp_backend"], "rank_gpus": [i["gpu"] for i in infos],
         "steps": len(full), "step_ms_median": statistics.median(full) * 1e3,
         "step_ms_p90": sorted(full)[int(0.9 * (len(full) - 1))] * 1e3,
+        "rank_execute_ms_median": rank_exec,
         "tokens": sum(len(v["tokens"]) for v in rows.values()), "wall_s": wall,
         "host_pool_segments": len(segs), "host_pool_bytes": sum(b for _, b in segs),
         "counters": {k: m["counters"][k] for k in ("spills", "restores", "backups")},
@@ -131,13 +135,14 @@ def main() -> int:
     base = results.get("tp1") or next(iter(results.values()))
     print(f"\ndecode steps, {args.requests} requests x {args.context} prompt tokens, "
           f"{args.new_tokens} new each, model {args.model} ({machine}):")
-    print(f"{'layout':<14} {'group':>5} {'step ms':>8} {'p90 ms':>7} {'vs tp1':>7} "
+    print(f"{'layout':<14} {'group':>5} {'step ms':>8} {'p90 ms':>7} {'exec ms':>7} {'vs tp1':>7} "
           f"{'tok/s':>7} {'pool segs':>9} {'pool MiB':>9} {'same tokens':>11}")
     for name, r in results.items():
         same = r["token_ids"] == base["token_ids"]
         r["same_tokens_as_first"] = same
         print(f"{name:<14} {r['tp_backend'] or '-':>5} {r['step_ms_median']:>8.2f} "
-              f"{r['step_ms_p90']:>7.2f} {r['step_ms_median'] / base['step_ms_median']:>6.2f}x "
+              f"{r['step_ms_p90']:>7.2f} {max(r['rank_execute_ms_median']):>7.2f} "
+              f"{r['step_ms_median'] / base['step_ms_median']:>6.2f}x "
               f"{r['tokens'] / r['wall_s']:>7.1f} {r['host_pool_segments']:>9} "
               f"{r['host_pool_bytes'] / 2**20:>9.1f} {str(same):>11}")
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine,

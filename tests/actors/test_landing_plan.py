@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse_ray.actors.landing import (
-    RankEndpoint, chunk_pages, copy_runs, group_notif, layer_group, plan_chunk, unstage_runs,
-    write_groups,
+    LandingOrder, RankEndpoint, chunk_pages, copy_runs, group_notif, layer_group, pack,
+    plan_chunk, unpack, unstage_runs, write_groups,
 )
 from hisparse_ray.transfer import MemKind, RegionDesc
 
@@ -96,6 +96,10 @@ def test_a_planned_landing_puts_every_byte_where_decode_reads_it(L, P, T, tp, pa
         dests, steps = plan_chunk("rq", T, P, path, block, part, run, i, i == len(parts) - 1,
                                   capacity, eps, timeout_s=1.0, layer_groups=groups)
         assert len(steps) == tp and len({d.rank for d in dests}) == len(dests)
+        # what the Ray calls carry (pack's bytes) is what was planned
+        order = LandingOrder("rq", tuple(dests))
+        assert unpack(pack(order)) == order and [unpack(pack(s)) for s in steps] == steps
+        assert unpack(order) is order
         for dest in dests:  # the prefill worker's push: every group of every dest
             gs = write_groups(dest, "send", send["send"][0].numel(), R, P, T,
                               key_local="send.keys", key_layer_stride=send["send.keys"][0].numel(),
