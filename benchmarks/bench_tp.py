@@ -18,7 +18,10 @@ Usage: ``python benchmarks/bench_tp.py [--model tiny|landing] [--requests 8] [--
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import shutil
+import subprocess
 import json
 import os
 import platform
@@ -32,6 +35,32 @@ import torch
 
 from hisparse_ray.actors import launch
 from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
+
+def profile_summary(path: str, top: int = 10) -> list[tuple[float, str]]:
+    """Where a rank's step thread spends its samples (``py-spy --format raw``): the ``top``
+    frames by inclusive share below 99 % (above: the thread's own call chain), then the ``top``
+    innermost frames ("self:")."""
+    incl: collections.Counter = collections.Counter()
+    inner: collections.Counter = collections.Counter()
+    total = 0
+    if not Path(path).exists():
+        return []
+    for line in Path(path).read_text().splitlines():
+        if " " not in line:
+            continue
+        stack, n = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        if not any("HiSparseWorker.execute" in f for f in frames):
+            continue
+        total += int(n)
+        inner[frames[-1]] += int(n)
+        for f in set(frames):
+            incl[f] += int(n)
+    if not total:
+        return []
+    body = [(n / total, f) for f, n in incl.most_common() if n / total < 0.99][:top]
+    return body + [(n / total, "self: " + f) for f, n in inner.most_common(top)]
+
 
 LAYOUTS = {"tp1": (1, 0.8), "tp2-one-gpu": (2, 0.4), "tp2-gpu-each": (2, 0.8)}
 
@@ -69,9 +98,23 @@ def run_layout(name: str, model: ModelSpec, args, gpu: bool, requests) -> dict:
         t1 = time.perf_counter()
         for r, p in requests:
             ray.get(rep.coordinator.submit.remote(r, p, args.new_tokens))
+        spies = []
+        spy = shutil.which(args.py_spy) if args.profile_s else None
+        if args.profile_s and not spy:
+            print(f"  no profile: {args.py_spy!r} not found")
+        if spy:  # sample every rank while it decodes
+            time.sleep(args.profile_delay_s)
+            spies = [subprocess.Popen(
+                [spy, "record", "-d", str(max(1, round(args.profile_s))), "-r", "250", "-p", str(i["pid"]),
+                 "--format", "raw", "-o", f"{args.out}.{name}.r{i['rank']}.prof"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in infos]
         rows = {r["request_id"]: r for r in ray.get(rep.coordinator.wait.remote(
             [r for r, _ in requests], 1200))}
         wall = time.perf_counter() - t1
+        for sp in spies:
+            _, err = sp.communicate(timeout=args.profile_s + 60)
+            if sp.returncode:
+                print(f"  py-spy failed ({sp.returncode}): {err.strip()[-300:]}")
         log = ray.get(rep.coordinator.get_step_log.remote())[steps0:]
         measured = {step for step, _ in log}
         rank_exec = [statistics.median([s for step, s in ray.get(r.get_step_log.remote())
@@ -79,6 +122,13 @@ def run_layout(name: str, model: ModelSpec, args, gpu: bool, requests) -> dict:
         m = ray.get(rep.coordinator.metrics.remote())
     finally:
         rep.shutdown()
+    profiles = {}
+    for i in infos if spies else ():
+        prof = profile_summary(f"{args.out}.{name}.r{i['rank']}.prof")
+        profiles[i["rank"]] = prof
+        print(f"  {name} rank {i['rank']}: step-thread samples by frame (inclusive)")
+        for share, frame in prof:
+            print(f"    {share:6.1%} {frame[:110]}")
     errors = {r: v["error"] for r, v in rows.items() if v["error"]}
     if errors:
         raise RuntimeError(f"{name}: requests failed: {errors}")
@@ -94,6 +144,7 @@ def run_layout(name: str, model: ModelSpec, args, gpu: bool, requests) -> dict:
         "host_pool_segments": len(segs), "host_pool_bytes": sum(b for _, b in segs),
         "counters": {k: m["counters"][k] for k in ("spills", "restores", "backups")},
         "token_ids": {r: v["tokens"] for r, v in rows.items()},
+        "profiles": profiles,
     }
 
 
@@ -109,6 +160,11 @@ def main() -> int:
     ap.add_argument("--device-blocks", type=int, default=64)
     ap.add_argument("--host-pool-gib", type=float, default=None,
                     help="default: 2x the requests' KV")
+    ap.add_argument("--profile-s", type=float, default=0,
+                    help="sample every rank with py-spy for this many seconds while it decodes")
+    ap.add_argument("--py-spy", default="py-spy", help="the py-spy executable")
+    ap.add_argument("--profile-delay-s", type=float, default=2.0,
+                    help="start sampling this long after the batch was submitted")
     ap.add_argument("--out", default="benchmarks/results/tp.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
