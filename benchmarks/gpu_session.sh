@@ -8,8 +8,8 @@
 #   or, control plane (codec, channel, actors):  bash benchmarks/gpu_session.sh control
 #   or, on the two-GPU kind: TP 2 with a GPU per rank, tests:  bash benchmarks/gpu_session.sh two-gpu
 #                            step time TP 1 / TP 2 one GPU / TP 2 two GPUs:  ... tp-bench
-#   or, ranks profiled per TP layout (carry .device-wheels/nixl and .device-wheels/pyspy) and
-#       16K-token landings with phases:  bash benchmarks/gpu_session.sh profile
+#   or, ranks profiled per TP layout (carry .device-wheels/nixl and .device-wheels/pyspy):  ... profile
+#   or, 8K / 16K-token landings (synthetic prefill) with their phases:  ... landing-phases
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -20,7 +20,7 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -57,14 +57,17 @@ case "${1:-run}" in
           tests/e2e/test_gpu.py::test_demo_tp2_across_two_gpus 2>&1 | tee "$OUT/two_gpu_tests.log" \
           | grep -E "passed|failed|PASSED|FAILED|Error|error|ranks on|^tp2" | tail -30
         exit 0 ;;
-      profile)  # ~6 min: py-spy on every rank of each TP layout, then landings of 8K / 16K tokens
+      profile)  # ~2 min: py-spy on every rank of each TP layout
         if [ -d .device-wheels/pyspy ]; then
-          python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/pyspy/*.whl
+          # its own target: pip --target skips a bin/ that already exists (ray's), so py-spy would not land
+          python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyspy .device-wheels/pyspy/*.whl
         fi
         timeout 260 python3 benchmarks/bench_tp.py --model tiny --requests 8 --context 2048 \
-          --new-tokens 64 --profile-s 4 --py-spy /tmp/site/bin/py-spy --out "$OUT/tp_profile.json" \
+          --new-tokens 64 --profile-s 4 --py-spy /tmp/pyspy/bin/py-spy --out "$OUT/tp_profile.json" \
           > "$OUT/tp_profile.log" 2>&1
         grep -E "^ +[0-9. ]+%|rank [01]:|^tp|^layout|up in|py-spy|Error" "$OUT/tp_profile.log" | cut -c1-120 | tail -75
+        exit 0 ;;
+      landing-phases)  # ~2 min
         land landing_s6 280 --tokens 8192 16384 --staging-blocks 256 --repeats 3 --synthetic-prefill
         exit 0 ;;
       tp-bench)  # ~5 min: decode step time per TP layout, tiny and landing-shaped models
