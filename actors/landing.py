@@ -139,7 +139,8 @@ def pack(obj: Any) -> bytes:
     """A landing order or rank step as the bytes its Ray call carries. Ray serializes a nested
     dataclass argument several times slower than the same bytes (measured on the dev VM: 560 vs
     160 us per ``.remote()`` for a 16K-token order of 61 layer regions and 256 pages), and the
-    lander makes three such calls on a landing's critical path."""
+    lander makes three such calls on a landing's critical path. ``RegionDesc`` pickles by value
+    through a cache (``transfer.base``), which cut a 16K-token order's loads from 370 to 70 us."""
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 

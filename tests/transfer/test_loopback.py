@@ -159,3 +159,18 @@ def test_coalesce_moves_the_same_bytes_with_fewer_segments(raw):
     assert sum(s.nbytes for s in merged) == sum(s.nbytes for s in segs)
     if segs and all(c for *_, c in raw[1:]):
         assert len(merged) == 1
+
+
+def test_region_desc_pickles_by_value_and_unpickles_to_one_shared_instance():
+    import pickle
+
+    from hisparse_ray.transfer import MemKind, RegionDesc
+
+    descs = [RegionDesc("agent-a", f"layer.{l}", 1 << 40 | l * 4096, 4096, d, kind)
+             for l in range(3) for d, kind in ((0, MemKind.HOST), (1, MemKind.DEVICE))]
+    for d in descs:
+        back = pickle.loads(pickle.dumps(d, protocol=pickle.HIGHEST_PROTOCOL))
+        assert back == d and type(back.kind) is MemKind and back.kind is d.kind
+        # frozen: equal values share one rebuilt instance (the cache behind unpickling)
+        assert pickle.loads(pickle.dumps(d)) is back
+    assert len({id(pickle.loads(pickle.dumps(d))) for d in descs}) == len(descs)
