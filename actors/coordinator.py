@@ -130,6 +130,11 @@ class Coordinator:
                 raise StateError("no prefill worker connected (add_prefill first)")
             if prefill is not None and not 0 <= prefill < len(self._landers):
                 raise ValueError(f"prefill index {prefill} not in 0..{len(self._landers) - 1}")
+            if prefill is not None and self._landers[prefill].retired is not None:
+                raise StateError(f"prefill worker {prefill} ({self._landers[prefill].agent}) was "
+                                 f"retired: {self._landers[prefill].retired!r}")
+            if all(lander.retired is not None for lander in self._landers):
+                raise StateError("every prefill worker of this replica was retired")
             if request_id in self.records:
                 raise DuplicateRequestError(request_id)
             adm = self.core.admit(RequestId(request_id), list(prompt), max_new_tokens, eos_token_id)
@@ -144,15 +149,28 @@ class Coordinator:
         return "landing" if adm is not None else "waiting"
 
     def _dispatch(self, adm: Admission) -> None:
-        """(lock held) Queue an admitted request on the next lander, round robin."""
+        """(lock held) Queue an admitted request on its routed lander or the next live one, round
+        robin; with none left (every prefill worker retired) the request fails at once."""
         rec = self.records[adm.request_id]
         rec.target = adm.target.value
         index = self._route.pop(adm.request_id, None)
-        if index is None:
-            index = self._next_lander % len(self._landers)
+        if index is None or self._landers[index].retired is not None:
+            live = [i for i, lander in enumerate(self._landers) if lander.retired is None]
+            if not live:
+                self._landing_failed_locked(adm.request_id, StateError(
+                    "every prefill worker of this replica was retired"))
+                return
+            index = live[self._next_lander % len(live)]
             self._next_lander += 1
-        lander = self._landers[index]
-        lander.enqueue(adm, self._prompts[adm.request_id])
+        self._landers[index].enqueue(adm, self._prompts[adm.request_id])
+
+    def reroute(self, adm: Admission, prompt: list[int]) -> None:
+        """Lander: it was retired with ``adm`` still queued; hand it to a live lander (or fail
+        it when none is left)."""
+        with self.cond:
+            self._dispatch(adm)
+            self.cond.notify_all()
+        self._wake.set()
 
     def landed(self, request_id: str, nbytes: int, seconds: float, data_s: float,
                path: str) -> None:
@@ -174,12 +192,15 @@ class Coordinator:
     def landing_failed(self, request_id: str, error: BaseException | None) -> None:
         """Lander callback: the landing failed after its retries; release every lease now."""
         with self.cond:
-            rec = self.records[request_id]
-            self.core.apply_landing_failed(RequestId(request_id))
-            rec.error = None if rec.abort_requested else error
-            self._collect(request_id)
-            self.cond.notify_all()
+            self._landing_failed_locked(request_id, error)
         self._wake.set()
+
+    def _landing_failed_locked(self, request_id: str, error: BaseException | None) -> None:
+        rec = self.records[request_id]
+        self.core.apply_landing_failed(RequestId(request_id))
+        rec.error = None if rec.abort_requested else error
+        self._collect(request_id)
+        self.cond.notify_all()
 
     def fence(self, error: BaseException) -> None:
         """Lander: a landing's calls outlived every deadline, so memory its request held may
@@ -278,6 +299,9 @@ class Coordinator:
             "steps": len(steps),
             "step_ms_median": steps[len(steps) // 2] * 1e3 if steps else None,
             "landing_paths": [lander.path for lander in self._landers],
+            # prefill workers retired after a push outlived every deadline (index -> why)
+            "retired_prefill": {i: repr(lander.retired) for i, lander in enumerate(self._landers)
+                                if lander.retired is not None},
             "staging_blocks": self.staging.capacity if self.staging else 0,
             "staging_free_blocks": self.staging.num_free if self.staging else 0,
         }

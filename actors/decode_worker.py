@@ -171,6 +171,15 @@ class DecodeWorker:
     def add_peer(self, metadata: bytes) -> str:
         return self.engine.add_peer(metadata)
 
+    def remove_peer(self, agent: str) -> bool:
+        """Drop a (retired) prefill worker as a NIXL peer: its connection closes, so bytes of its
+        WRITEs still in flight are discarded. False if it was not a peer of this rank."""
+        try:
+            self.engine.remove_peer(agent)
+        except Exception:
+            return False
+        return True
+
     # -- landing ------------------------------------------------------------------------------------
     def wait_notification(self, notif: bytes, timeout_s: float,
                           request_id: str | None = None) -> None:

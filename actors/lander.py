@@ -24,6 +24,14 @@ missing notification, a dead prefill worker) ends the request with that typed er
 every lease it held (the coordinator calls the core's ``apply_landing_failed``); in-flight chunk
 calls are cancelled on the ranks (``drop_landing``) and awaited before their staging runs return
 to the pool.
+
+A call that outlives every deadline is different: a cancelled WRITE may still land later, so the
+memory the request held cannot be reused yet. When only the prefill worker's push is still
+running (every rank ended its calls), the lander RETIRES that worker: kill it, wait until Ray
+reports it dead (a dead process posts no more WRITEs), remove it as a NIXL peer on every rank
+(closing the connection drops bytes still in flight), then release the request's memory and fail
+it; the replica keeps serving through its other prefill workers. A rank call still running, or
+a worker whose death cannot be confirmed, fences the whole replica (``Coordinator.fence``).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from hisparse_ray.types import Admission, LandingTarget
 PREFILL_TIMEOUT_S = 600.0  # one prompt through the prefill model
 CALL_TIMEOUT_S = 120.0  # cleanup calls of a failed landing
 IN_FLIGHT = 2  # landing chunks in flight per lander (write chunk i+1 while chunk i is copied)
+PEER_DEATH_TIMEOUT_S = 30.0  # a killed, stalled prefill worker must be reported dead within this
 
 if TYPE_CHECKING:
     from hisparse_ray.actors.coordinator import Coordinator
@@ -67,6 +76,9 @@ class Lander:
         self._stop = threading.Event()
         # (request id, prefill done, first chunk issued, every call ended): perf_counter() stamps
         self.trace: collections.deque = collections.deque(maxlen=10_000)
+        # why this lander's prefill worker was retired (killed after a push outlived every
+        # deadline); it lands nothing more and hands its queue to live landers
+        self.retired: BaseException | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -86,6 +98,9 @@ class Lander:
                 return
             adm, prompt = item
             rid = adm.request_id
+            if self.retired is not None:  # queued before the retirement: another lander lands it
+                self.coord.reroute(adm, prompt)
+                continue
             if self.coord.abort_requested(rid):  # aborted while queued: release, land nothing
                 self.coord.landing_failed(rid, None)
                 continue
@@ -209,6 +224,14 @@ class Lander:
         _, pending = ray.wait(live, num_returns=len(live), timeout=deadline)
         if pending:
             self._cancel(rid)
+            if refs[0] is not None and pending == [refs[0]] and self._retire(refs[0], rid):
+                # only the push outlived its deadline and that worker is dead and disconnected:
+                # nothing can write the request's memory any more
+                if blocks:
+                    self.staging.release(blocks)
+                raise TransferTimeoutError(
+                    f"prefill worker {self.agent} still pushing {deadline:.3g} s after the "
+                    f"deadline: retired (killed and disconnected)", rid)
             err = TransferTimeoutError(
                 f"{len(pending)} call(s) of a landing still running {deadline:.3g} s after their "
                 f"deadline (a stalled rank or prefill worker): blocks it wrote may still change, "
@@ -224,6 +247,33 @@ class Lander:
             self._data_s += seconds
             out = out[1:]
         self._data_s += sum(out)
+
+    def _retire(self, push_ref: Any, rid: str) -> bool:
+        """Kill this lander's prefill worker, whose push of ``rid`` outlived every deadline while
+        every rank's call ended; True once Ray reported it dead and every rank dropped it as a
+        NIXL peer (the lander then lands nothing more). False when its death is not confirmed
+        within ``PEER_DEATH_TIMEOUT_S`` (the caller fences the replica)."""
+        try:
+            ray.kill(self.prefill, no_restart=True)
+        except Exception:
+            pass
+        done, _ = ray.wait([push_ref], timeout=PEER_DEATH_TIMEOUT_S)
+        if not done:
+            return False
+        try:
+            ray.get(push_ref)
+        except ray.exceptions.RayActorError:
+            pass  # the expected end: the worker died with the push running
+        except Exception:
+            pass  # the push failed just before the kill: the worker is dead all the same
+        try:
+            ray.get([r.remove_peer.remote(self.agent) for r in self.coord.ranks],
+                    timeout=CALL_TIMEOUT_S)
+        except Exception:
+            return False  # a rank that cannot drop the peer may still take its bytes
+        self.retired = TransferTimeoutError(
+            f"prefill worker {self.agent} was still pushing {rid!r} past every deadline", rid)
+        return True
 
     def _cancel(self, rid: str) -> None:
         """Stop the ranks' waits for ``rid``'s notifications (fire and forget)."""

@@ -58,7 +58,7 @@ class PrefillWorker:
         self._lock = threading.Lock()
         self._held: tuple[str, int] | None = None  # (request id, positions) in the send buffer
         self.stats = {"prefills": 0, "pushes": 0, "pushed_bytes": 0, "push_s": 0.0, "prefill_s": 0.0,
-                      "failed_pushes": 0}
+                      "failed_pushes": 0, "pushes_started": 0}
         # (request id, call started, WRITEs planned, last DONE): perf_counter() per push
         self.landing_trace: collections.deque = collections.deque(maxlen=10_000)
 
@@ -141,6 +141,7 @@ class PrefillWorker:
         TransferError / TransferTimeoutError after the last attempt, tagged with the request id.
         ``order`` may come as :func:`~hisparse_ray.actors.landing.pack`'s bytes."""
         t_enter = time.perf_counter()
+        self.stats["pushes_started"] += 1
         order = unpack(order)
         with self._lock:
             if self._held is None or self._held[0] != order.request_id:

@@ -2,10 +2,13 @@
 memory + the tiny model) whose rank 0, the receiving NIXL peer of every landing, is stopped with
 SIGSTOP while a request lands. Every WRITE attempt of the prefill worker then times out
 (``landing_attempts`` x ``landing_timeout_s``); the request must fail with TransferTimeoutError,
-every lease must come back, and the replica must serve the next request exactly once resumed."""
+every lease must come back, and the replica must serve the next request exactly once resumed.
+Past every deadline: a stalled rank fences the replica; a stalled prefill worker is retired
+(killed, disconnected) and the replica goes on serving through the other one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -32,24 +35,44 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-@pytest.fixture(scope="module")
-def replica(ray_cluster):
+@contextlib.contextmanager
+def _deployment(spec: ReplicaSpec, workers: int = 1):
+    """A replica of ``spec`` with ``workers`` prefill workers connected ("auto": direct on CPU);
+    yields (replica, workers, rank 0's pid). Rank 0 is resumed on the way out whatever
+    happened, then everything is shut down."""
     from hisparse_ray.actors.prefill_worker import PrefillWorker
 
-    pspec = PrefillSpec(name="lt-prefill")
-    worker = launch._remote(PrefillWorker, **launch.prefill_options(pspec)).remote(pspec)
-    rep = launch.launch_replica(SPEC)
+    pspecs = [PrefillSpec(name=f"{spec.replica_id}-prefill{i}") for i in range(workers)]
+    handles = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
+               for p in pspecs]
+    rep = launch.launch_replica(spec)
     pid = None
     try:
-        ray.get(worker.ready.remote(), timeout=120)
-        assert launch.connect(rep, worker, "auto") == "direct"
+        ray.get([w.ready.remote() for w in handles], timeout=120)
+        for w in handles:
+            assert launch.connect(rep, w, "auto") == "direct"
         pid = ray.get(rep.ranks[0].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-        yield rep, worker, pid
+        yield rep, handles, pid
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
         rep.shutdown()
-        ray.kill(worker)
+        for w in handles:
+            ray.kill(w)
+
+
+def _stop(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while not _stopped(pid):
+        assert time.monotonic() < deadline, "SIGSTOP did not take effect"
+        time.sleep(1e-3)
+
+
+@pytest.fixture(scope="module")
+def replica(ray_cluster):
+    with _deployment(SPEC) as (rep, (worker,), pid):
+        yield rep, worker, pid
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -60,12 +83,8 @@ def _land_while_rank0_stopped(rep, worker, pid: int, rid: str, prompt: list[int]
     """Submit ``rid`` with rank 0 stopped; resume rank 0 once the prefill worker reports the
     failed push (its retries are spent); return the request's summary."""
     failed_before = ray.get(worker.get_stats.remote(), timeout=30).get("failed_pushes", 0)
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     try:
-        deadline = time.monotonic() + 10
-        while not _stopped(pid):
-            assert time.monotonic() < deadline, "SIGSTOP did not take effect"
-            time.sleep(1e-3)
         ray.get(rep.coordinator.submit.remote(rid, prompt, 4, None, 0), timeout=30)
         deadline = time.monotonic() + 120
         while ray.get(worker.get_stats.remote(), timeout=30).get("failed_pushes", 0) \
@@ -127,33 +146,79 @@ def test_a_landing_outliving_every_deadline_fences_the_replica(ray_cluster):
     """Rank 0 stays stopped past attempts x timeout + landing_call_timeout_s: its landing call
     cannot end, so a cancelled WRITE could still land in blocks the request held. The replica
     must stop (no reuse of that memory): waiters and new submits get a typed error naming it."""
-    from hisparse_ray.actors.prefill_worker import PrefillWorker
     from hisparse_ray.errors import StateError
 
     spec = ReplicaSpec(tp_size=1, num_device_blocks=12, staging_blocks=4, page_size=8,
                        replica_id="fence", landing_attempts=1, landing_timeout_s=1.0,
                        landing_call_timeout_s=1.0)
-    pspec = PrefillSpec(name="fence-prefill")
-    worker = launch._remote(PrefillWorker, **launch.prefill_options(pspec)).remote(pspec)
-    rep = launch.launch_replica(spec)
-    pid = None
-    try:
-        ray.get(worker.ready.remote(), timeout=120)
-        launch.connect(rep, worker, "auto")
-        pid = ray.get(rep.ranks[0].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-        os.kill(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while not _stopped(pid):
-            assert time.monotonic() < deadline, "SIGSTOP did not take effect"
-            time.sleep(1e-3)
+    with _deployment(spec) as (rep, _, pid):
+        _stop(pid)
         ray.get(rep.coordinator.submit.remote("fenced", _prompt(random.Random(5), 100), 4),
                 timeout=30)
         with pytest.raises(StateError, match="replica failed.*still running"):
             ray.get(rep.coordinator.wait.remote(["fenced"], 120), timeout=150)
         with pytest.raises(StateError, match="replica failed"):
             ray.get(rep.coordinator.submit.remote("late", [1, 2, 3], 2), timeout=30)
-    finally:
-        if pid is not None:
+
+
+def test_a_prefill_worker_stalled_past_every_deadline_is_retired_not_the_replica(ray_cluster):
+    """Prefill worker 0 is stopped inside its push (rank 0 is stopped first, so the WRITE cannot
+    finish before it; then resumed, so the rank's calls end). The push outlives attempts x
+    timeout + landing_call_timeout_s: the lander kills worker 0, waits for its death, drops it
+    as a NIXL peer, fails the request with TransferTimeoutError and releases every lease. The
+    replica is not fenced: the request queued behind it on worker 0 and every later one go to
+    worker 1 and decode exactly; a request routed to worker 0 is refused."""
+    from hisparse_ray.errors import StateError
+
+    spec = ReplicaSpec(tp_size=1, num_device_blocks=12, staging_blocks=4, page_size=8,
+                       replica_id="retire", landing_attempts=1, landing_timeout_s=2.0,
+                       landing_call_timeout_s=2.0)
+    rng = random.Random(11)
+    with _deployment(spec, workers=2) as (rep, workers, pid):
+        w0_pid = ray.get(workers[0].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        _stop(pid)
+        try:
+            ray.get(rep.coordinator.submit.remote("stalled", _prompt(rng, 100), 4, None, 0),
+                    timeout=30)
+            # queued behind it on worker 0's lander: handed to worker 1 once 0 is retired
+            queued = ("queued", _prompt(rng, 90))
+            ray.get(rep.coordinator.submit.remote(*queued, 4, None, 0), timeout=30)
+            deadline = time.monotonic() + 60
+            while ray.get(workers[0].get_stats.remote(), timeout=30)["pushes_started"] == 0:
+                assert time.monotonic() < deadline, "the push never started"
+                time.sleep(0.01)
+            _stop(w0_pid)  # inside its push, whose WRITE waits on the stopped rank 0
+        finally:
             os.kill(pid, signal.SIGCONT)
-        rep.shutdown()
-        ray.kill(worker)
+        (row,) = ray.get(rep.coordinator.wait.remote(["stalled"], 120), timeout=150)
+        assert row["error_type"] == "TransferTimeoutError" and "retired" in row["error"], row
+        m = _no_lease_held(rep)
+        assert m["staging_free_blocks"] == spec.staging_blocks
+        assert list(m["retired_prefill"]) == [0], m["retired_prefill"]
+        assert not _alive(w0_pid)  # killed, not left stopped
+        with pytest.raises(StateError, match="prefill worker 0 .* was retired"):
+            ray.get(rep.coordinator.submit.remote("to-w0", [1, 2, 3], 2, None, 0), timeout=30)
+        later = [("after-host", _prompt(rng, 120)), ("after-res", _prompt(rng, 10))]
+        for rid, prompt in later:  # round robin over the live worker only
+            ray.get(rep.coordinator.submit.remote(rid, prompt, 4), timeout=30)
+        requests = [queued, *later]
+        rows = {r["request_id"]: r for r in ray.get(
+            rep.coordinator.wait.remote([rid for rid, _ in requests], 180), timeout=200)}
+    ref = full_resident_tokens(spec.model, [p for _, p in requests], 4,
+                               [rid for rid, _ in requests])
+    for rid, _ in requests:
+        assert rows[rid]["error"] is None, rows[rid]
+        assert rows[rid]["tokens"] == ref[rid], rid
+
+
+def _alive(pid: int) -> bool:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return False
+        except FileNotFoundError:
+            return False
+        time.sleep(0.05)
+    return True
