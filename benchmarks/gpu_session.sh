@@ -54,7 +54,7 @@ case "${1:-run}" in
         nvidia-smi topo -m | head -4
         timeout 520 python3 -m pytest -q -s -p no:cacheprovider -m "gpu or two_gpus" \
           tests/hostpool/test_ray.py "tests/e2e/test_gpu.py::test_tp2_landings_spills_restores_backups_match_full_resident" \
-          tests/e2e/test_gpu.py::test_demo_tp2_across_two_gpus 2>&1 | tee "$OUT/two_gpu_tests.log" \
+          "tests/e2e/test_gpu.py::test_demo_tp2[gpu-each]" 2>&1 | tee "$OUT/two_gpu_tests.log" \
           | grep -E "passed|failed|PASSED|FAILED|Error|error|ranks on|^tp2" | tail -30
         exit 0 ;;
       profile)  # ~2 min: py-spy on every rank of each TP layout

@@ -97,6 +97,19 @@ def _land_while_rank0_stopped(rep, worker, pid: int, rid: str, prompt: list[int]
     return row
 
 
+def _served_exactly(rep, spec: ReplicaSpec, requests: list[tuple[str, list[int]]]) -> dict:
+    """Wait for ``requests`` (4 new tokens each); every one must equal full-resident decode.
+    Returns their summaries by id."""
+    rows = {r["request_id"]: r for r in ray.get(
+        rep.coordinator.wait.remote([rid for rid, _ in requests], 180), timeout=200)}
+    ref = full_resident_tokens(spec.model, [p for _, p in requests], 4,
+                               [rid for rid, _ in requests])
+    for rid, _ in requests:
+        assert rows[rid]["error"] is None, rows[rid]
+        assert rows[rid]["tokens"] == ref[rid], rid
+    return rows
+
+
 def _no_lease_held(rep) -> dict:
     deadline = time.monotonic() + 60
     while True:
@@ -131,13 +144,7 @@ def test_resumed_replica_serves_the_next_requests_exactly(replica):
     requests = [("after-host", _prompt(rng, 120)), ("after-res", _prompt(rng, 10))]
     for rid, prompt in requests:
         ray.get(rep.coordinator.submit.remote(rid, prompt, 4, None, 0), timeout=30)
-    rows = {r["request_id"]: r for r in ray.get(
-        rep.coordinator.wait.remote([rid for rid, _ in requests], 180), timeout=200)}
-    ref = full_resident_tokens(SPEC.model, [p for _, p in requests], 4,
-                               [rid for rid, _ in requests])
-    for rid, _ in requests:
-        assert rows[rid]["error"] is None, rows[rid]
-        assert rows[rid]["tokens"] == ref[rid], rid
+    rows = _served_exactly(rep, SPEC, requests)
     assert {rows[r]["target"] for r in ("after-host", "after-res")} == {"host", "resident"}
     _no_lease_held(rep)
 
@@ -201,14 +208,7 @@ def test_a_prefill_worker_stalled_past_every_deadline_is_retired_not_the_replica
         later = [("after-host", _prompt(rng, 120)), ("after-res", _prompt(rng, 10))]
         for rid, prompt in later:  # round robin over the live worker only
             ray.get(rep.coordinator.submit.remote(rid, prompt, 4), timeout=30)
-        requests = [queued, *later]
-        rows = {r["request_id"]: r for r in ray.get(
-            rep.coordinator.wait.remote([rid for rid, _ in requests], 180), timeout=200)}
-    ref = full_resident_tokens(spec.model, [p for _, p in requests], 4,
-                               [rid for rid, _ in requests])
-    for rid, _ in requests:
-        assert rows[rid]["error"] is None, rows[rid]
-        assert rows[rid]["tokens"] == ref[rid], rid
+        _served_exactly(rep, spec, [queued, *later])
 
 
 def _alive(pid: int) -> bool:
