@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 from hisparse_ray.errors import StateError
 from hisparse_ray.transfer import RegionDesc, WriteSegment
+from hisparse_ray.transfer.base import region_columns, regions_from_columns
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,17 @@ class LandingDest:
     # with notification ``group_notif(notif, g)`` (the keys ride with the last group), so the
     # rank can copy group g to host while later groups are still being written
     layer_groups: int = 1
+
+    def __reduce__(self):
+        # the layer regions as columns (one endpoint's: same agent, kind, device): an order of a
+        # 16K-token prompt names 183 of them, pickled one by one they were most of pack()
+        return _landing_dest, (self.rank, region_columns(self.layers), self.pages, self.notif,
+                               region_columns(self.key_layers), self.key_rows, self.layer_groups)
+
+
+def _landing_dest(rank, layers, pages, notif, key_layers, key_rows, layer_groups) -> LandingDest:
+    return LandingDest(rank, regions_from_columns(layers), pages, notif,
+                       regions_from_columns(key_layers), key_rows, layer_groups)
 
 
 def group_notif(notif: bytes, group: int, groups: int) -> bytes:

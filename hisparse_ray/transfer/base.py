@@ -67,6 +67,45 @@ def _region(agent: str, name: str, addr: int, nbytes: int, device_id: int, kind:
     return RegionDesc(agent, name, addr, nbytes, device_id, MemKind(kind))
 
 
+_COLUMNS: dict[int, tuple[tuple, tuple]] = {}  # id(regions) -> (regions, columns)
+
+
+def region_columns(regions: tuple[RegionDesc, ...]) -> tuple:
+    """A tuple of regions as plain columns for pickling, ``(agent, kind, device, names, addrs,
+    sizes)`` when they share agent, kind and device (an endpoint's per-layer regions), else the
+    tuple itself. Memoized per tuple object: a landing order names the same endpoint tuples every
+    time (pickling 61 regions one by one took ~250 us per order on the dev VM)."""
+    hit = _COLUMNS.get(id(regions))
+    if hit is not None and hit[0] is regions:
+        return hit[1]
+    if not regions or type(regions) is not tuple:
+        return regions
+    r0 = regions[0]
+    if any(type(r) is not RegionDesc or r.agent != r0.agent or r.kind is not r0.kind
+           or r.device_id != r0.device_id for r in regions):
+        return regions
+    cols = (r0.agent, r0.kind.value, r0.device_id, tuple(r.name for r in regions),
+            tuple(r.addr for r in regions), tuple(r.nbytes for r in regions))
+    if len(_COLUMNS) > 1024:
+        _COLUMNS.clear()
+    _COLUMNS[id(regions)] = (regions, cols)  # holds ``regions``: its id stays unique
+    return cols
+
+
+def regions_from_columns(cols: tuple) -> tuple[RegionDesc, ...]:
+    """The inverse of :func:`region_columns`; equal columns give the very same tuple."""
+    if not cols or isinstance(cols[0], RegionDesc):
+        return cols
+    return _regions(cols)
+
+
+@functools.lru_cache(maxsize=1024)
+def _regions(cols: tuple) -> tuple[RegionDesc, ...]:
+    agent, kind, device, names, addrs, sizes = cols
+    n = len(names)
+    return tuple(map(_region, (agent,) * n, names, addrs, sizes, (device,) * n, (kind,) * n))
+
+
 @dataclass(frozen=True, slots=True)
 class WriteSegment:
     """Copy ``nbytes`` from local region ``local`` at ``local_offset`` to ``remote`` at

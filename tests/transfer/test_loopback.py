@@ -174,3 +174,20 @@ def test_region_desc_pickles_by_value_and_unpickles_to_one_shared_instance():
         # frozen: equal values share one rebuilt instance (the cache behind unpickling)
         assert pickle.loads(pickle.dumps(d)) is back
     assert len({id(pickle.loads(pickle.dumps(d))) for d in descs}) == len(descs)
+
+
+def test_region_columns_round_trip_and_fall_back_for_mixed_regions():
+    from hisparse_ray.transfer import MemKind, RegionDesc
+    from hisparse_ray.transfer.base import region_columns, regions_from_columns
+
+    layers = tuple(RegionDesc("rank0", f"staging.{l}", 4096 * (l + 1), 4096, 0, MemKind.DEVICE)
+                   for l in range(5))
+    cols = region_columns(layers)
+    assert cols[0] == "rank0" and cols[3] == tuple(f"staging.{l}" for l in range(5))
+    assert region_columns(layers) is cols  # memoized per tuple object
+    back = regions_from_columns(cols)
+    assert back == layers and regions_from_columns(cols) is back
+    mixed = layers[:2] + (RegionDesc("rank1", "x", 1, 1, 0, MemKind.DEVICE),)
+    other_kind = layers[:2] + (RegionDesc("rank0", "h", 1, 1, 0, MemKind.HOST),)
+    for regions in (mixed, other_kind, ()):
+        assert region_columns(regions) is regions and regions_from_columns(regions) is regions
