@@ -12,6 +12,7 @@ import contextlib
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -173,8 +174,9 @@ def test_a_prefill_worker_stalled_past_every_deadline_is_retired_not_the_replica
     finish before it; then resumed, so the rank's calls end). The push outlives attempts x
     timeout + landing_call_timeout_s: the lander kills worker 0, waits for its death, drops it
     as a NIXL peer, fails the request with TransferTimeoutError and releases every lease. The
-    replica is not fenced: the request queued behind it on worker 0 and every later one go to
-    worker 1 and decode exactly; a request routed to worker 0 is refused."""
+    replica is not fenced: the request queued behind it on worker 0, requests submitted from
+    three threads on random schedules and routes meanwhile, and every later one go to worker 1
+    and decode exactly; a request routed to worker 0 after its retirement is refused."""
     from hisparse_ray.errors import StateError
 
     spec = ReplicaSpec(tp_size=1, num_device_blocks=12, staging_blocks=4, page_size=8,
@@ -197,18 +199,62 @@ def test_a_prefill_worker_stalled_past_every_deadline_is_retired_not_the_replica
             _stop(w0_pid)  # inside its push, whose WRITE waits on the stopped rank 0
         finally:
             os.kill(pid, signal.SIGCONT)
+        # while the lander waits out the deadline and retires worker 0: submitters on random
+        # schedules and routes (worker 0, worker 1, round robin). Accepted before the retirement
+        # means queued on a lander and served; refused only when routed to the retired worker
+        accepted, refused, errors = [], [], []
+
+        def submitter(seed: int) -> None:
+            r = random.Random(seed)
+            for i in range(3):
+                time.sleep(r.uniform(0, 3.0))
+                rid, route = f"h{seed}-{i}", r.choice([None, 0, 1])
+                prompt = _prompt(r, r.choice([10, 60, 110]))
+                try:
+                    ray.get(rep.coordinator.submit.remote(rid, prompt, 4, None, route), timeout=30)
+                    accepted.append((rid, prompt))
+                except Exception as err:  # noqa: BLE001 - checked below
+                    (refused if route == 0 and "was retired" in str(err) else errors).append(
+                        (rid, route, repr(err)))
+
+        def after_retirement() -> None:  # the other branch, for certain: right after it
+            deadline = time.monotonic() + 120
+            while not ray.get(rep.coordinator.metrics.remote(), timeout=30)["retired_prefill"]:
+                assert time.monotonic() < deadline, "worker 0 was never retired"
+                time.sleep(0.02)
+            r = random.Random(99)
+            for i, route in enumerate((0, None, 0)):
+                rid, prompt = f"late-{i}", _prompt(r, 40)
+                try:
+                    ray.get(rep.coordinator.submit.remote(rid, prompt, 4, None, route), timeout=30)
+                    (accepted if route is None else errors).append((rid, prompt))
+                except Exception as err:  # noqa: BLE001 - checked below
+                    (refused if route == 0 and "was retired" in str(err) else errors).append(
+                        (rid, route, repr(err)))
+
+        threads = [threading.Thread(target=submitter, args=(s,)) for s in range(3)]
+        threads.append(threading.Thread(target=after_retirement))
+        for t in threads:
+            t.start()
         (row,) = ray.get(rep.coordinator.wait.remote(["stalled"], 120), timeout=150)
+        for t in threads:
+            t.join(timeout=60)
         assert row["error_type"] == "TransferTimeoutError" and "retired" in row["error"], row
-        m = _no_lease_held(rep)
-        assert m["staging_free_blocks"] == spec.staging_blocks
-        assert list(m["retired_prefill"]) == [0], m["retired_prefill"]
+        assert not errors, errors
+        assert list(ray.get(rep.coordinator.metrics.remote(), timeout=30)["retired_prefill"]) \
+            == [0]
         assert not _alive(w0_pid)  # killed, not left stopped
         with pytest.raises(StateError, match="prefill worker 0 .* was retired"):
             ray.get(rep.coordinator.submit.remote("to-w0", [1, 2, 3], 2, None, 0), timeout=30)
         later = [("after-host", _prompt(rng, 120)), ("after-res", _prompt(rng, 10))]
         for rid, prompt in later:  # round robin over the live worker only
             ray.get(rep.coordinator.submit.remote(rid, prompt, 4), timeout=30)
-        _served_exactly(rep, spec, [queued, *later])
+        _served_exactly(rep, spec, [queued, *later, *accepted])
+        m = _no_lease_held(rep)
+        assert m["staging_free_blocks"] == spec.staging_blocks
+        assert len(accepted) + len(refused) == 12 and len(refused) >= 2
+        print(f"\nretire hammer: {len(accepted)} accepted, {len(refused)} refused (routed to the "
+              f"retired worker)")
 
 
 def _alive(pid: int) -> bool:
