@@ -9,6 +9,7 @@
 #   or, on the two-GPU kind: TP 2 with a GPU per rank, tests:  bash benchmarks/gpu_session.sh two-gpu
 #                            step time TP 1 / TP 2 one GPU / TP 2 two GPUs:  ... tp-bench
 #   or, ranks profiled per TP layout (carry .device-wheels/nixl and .device-wheels/pyspy):  ... profile
+#       (fill it once here: pip download -q py-spy --no-deps -d .device-wheels/pyspy)
 #   or, 8K / 16K-token landings (synthetic prefill) with their phases:  ... landing-phases
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
