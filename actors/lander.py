@@ -31,7 +31,9 @@ running (every rank ended its calls), the lander RETIRES that worker: kill it, w
 reports it dead (a dead process posts no more WRITEs), remove it as a NIXL peer on every rank
 (closing the connection drops bytes still in flight), then release the request's memory and fail
 it; the replica keeps serving through its other prefill workers. A rank call still running, or
-a worker whose death cannot be confirmed, fences the whole replica (``Coordinator.fence``).
+a worker whose death cannot be confirmed, fences the whole replica (``Coordinator.fence``). A
+prefill worker that died (a landing failed with ``ActorDiedError`` and Ray reports it dead) is
+retired the same way: its request fails, the requests behind it go to live workers.
 """
 
 from __future__ import annotations
@@ -108,6 +110,10 @@ class Lander:
                 nbytes, seconds, data_s, path = self.land(adm, prompt)
             except Exception as err:  # any failure ends this request, never the lander
                 self._cleanup(rid)
+                if isinstance(err, ray.exceptions.ActorDiedError) and self._prefill_died():
+                    # a crashed worker: route its queue and later requests to live workers
+                    self._disconnect(TransferError(
+                        f"prefill worker {self.agent} died: {err!r}", rid))
                 self.coord.landing_failed(rid, _typed(err, rid))
                 continue
             self.coord.landed(rid, nbytes, seconds, data_s, path)
@@ -266,13 +272,29 @@ class Lander:
             pass  # the expected end: the worker died with the push running
         except Exception:
             pass  # the push failed just before the kill: the worker is dead all the same
+        return self._disconnect(TransferTimeoutError(
+            f"prefill worker {self.agent} was still pushing {rid!r} past every deadline", rid))
+
+    def _prefill_died(self) -> bool:
+        """Whether Ray reports this lander's prefill worker dead (not merely unreachable)."""
+        try:
+            ray.get(self.prefill.ready.remote(), timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.ActorDiedError:
+            return True
+        except Exception:
+            return False
+        return False
+
+    def _disconnect(self, why: BaseException) -> bool:
+        """Retire this lander once its (dead) prefill worker is dropped as a NIXL peer on every
+        rank: it lands nothing more and hands its queue to live landers. False (not retired)
+        when a rank cannot drop the peer: that rank might still take the peer's bytes."""
         try:
             ray.get([r.remove_peer.remote(self.agent) for r in self.coord.ranks],
                     timeout=CALL_TIMEOUT_S)
         except Exception:
-            return False  # a rank that cannot drop the peer may still take its bytes
-        self.retired = TransferTimeoutError(
-            f"prefill worker {self.agent} was still pushing {rid!r} past every deadline", rid)
+            return False
+        self.retired = why
         return True
 
     def _cancel(self, rid: str) -> None:

@@ -176,7 +176,9 @@ def test_a_prefill_worker_stalled_past_every_deadline_is_retired_not_the_replica
     as a NIXL peer, fails the request with TransferTimeoutError and releases every lease. The
     replica is not fenced: the request queued behind it on worker 0, requests submitted from
     three threads on random schedules and routes meanwhile, and every later one go to worker 1
-    and decode exactly; a request routed to worker 0 after its retirement is refused."""
+    and decode exactly; a request routed to worker 0 after its retirement is refused. Then
+    worker 1 is killed: its landing fails typed, it is retired as dead, and with no worker left
+    the replica refuses new requests."""
     from hisparse_ray.errors import StateError
 
     spec = ReplicaSpec(tp_size=1, num_device_blocks=12, staging_blocks=4, page_size=8,
@@ -255,6 +257,17 @@ def test_a_prefill_worker_stalled_past_every_deadline_is_retired_not_the_replica
         assert len(accepted) + len(refused) == 12 and len(refused) >= 2
         print(f"\nretire hammer: {len(accepted)} accepted, {len(refused)} refused (routed to the "
               f"retired worker)")
+        # worker 1 crashes: its next landing fails typed and it is retired too; with no prefill
+        # worker left, submits are refused (nothing is admitted that could never land)
+        ray.kill(workers[1], no_restart=True)
+        ray.get(rep.coordinator.submit.remote("on-dead", _prompt(rng, 30), 4), timeout=30)
+        (dead,) = ray.get(rep.coordinator.wait.remote(["on-dead"], 120), timeout=150)
+        assert dead["error_type"] == "TransferError" and "ActorDied" in dead["error"], dead
+        assert list(ray.get(rep.coordinator.metrics.remote(), timeout=30)["retired_prefill"]) \
+            == [0, 1]
+        with pytest.raises(StateError, match="every prefill worker of this replica was retired"):
+            ray.get(rep.coordinator.submit.remote("none-left", [1, 2, 3], 2), timeout=30)
+        _no_lease_held(rep)
 
 
 def _alive(pid: int) -> bool:
