@@ -81,6 +81,8 @@ class Lander:
         # why this lander's prefill worker was retired (killed after a push outlived every
         # deadline); it lands nothing more and hands its queue to live landers
         self.retired: BaseException | None = None
+        self._prefill_node: str | None = None  # the prefill worker's Ray node (asked once)
+        self._prefill_end: tuple[float, float] = (0.0, 0.0)  # last prefill_and_push: end, seconds
 
     def start(self) -> None:
         self._thread.start()
@@ -144,11 +146,15 @@ class Lander:
                  for p in adm.pages if not p.reused and page_positions(p.page, P, T)[1] > 0}
         keys_nixl = bool(eps[0].key_layers) and self.staging is not None
         staged = path == "staged" or keys_nixl  # chunks lease staging runs
+        capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
+        if spec.landing_push_with_prefill and keys_nixl and T > 0:
+            parts = chunk_pages(list(range(-(-T // P))), self.staging.capacity, IN_FLIGHT)
+            if len(parts) == 1:
+                return self._land_with_prefill(adm, prompt, path, block, parts[0], capacity)
         result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T]), not keys_nixl),
                          timeout=PREFILL_TIMEOUT_S)
         t0 = time.perf_counter()
         self._moved, self._data_s = 0, 0.0
-        capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
         pages = list(range(-(-T // P))) if keys_nixl else sorted(block)
         parts = chunk_pages(pages, self.staging.capacity, IN_FLIGHT) if staged \
             else [tuple(pages)]
@@ -179,18 +185,60 @@ class Lander:
         self.trace.append((rid, t0, t_issued, t_end))
         return self._moved, t_end - t0, self._data_s, path
 
+    def _land_with_prefill(self, adm: Admission, prompt: list[int], path: str,
+                           block: dict[int, int], part: tuple, capacity: int
+                           ) -> tuple[int, float, float, str]:
+        """``ReplicaSpec.landing_push_with_prefill``, one chunk with keys by NIXL: lease the
+        staging run and plan the WRITEs BEFORE prefill, then one ``prefill_and_push`` call (the
+        worker WRITEs as soon as its KV exists: no round trip through the lander in between)
+        and the ranks' ``complete_landing`` calls, whose notification deadline covers the
+        prefill. The run stays leased through the prefill. Seconds end to end count from the
+        worker's prefill end (its ``perf_counter``, one clock per host; from another node: the
+        call's submission plus the prefill's own seconds)."""
+        rid = adm.request_id
+        blocks = lease_run(self.staging, len(part), collections.deque(), self._finish)
+        self._moved, self._data_s = 0, 0.0
+        t_issued = time.perf_counter()
+        try:
+            refs = self._issue(adm, path, block, part, blocks, 0, True, capacity, None,
+                               prefill_tokens=list(prompt[:adm.num_positions]))
+        except BaseException:
+            self.staging.release(blocks)
+            raise
+        try:
+            self._finish((rid, refs, blocks), extra_s=PREFILL_TIMEOUT_S)
+        except BaseException:
+            self._abandon(rid, collections.deque())
+            raise
+        t_end = time.perf_counter()
+        t_done, prefill_s = self._prefill_end
+        t0 = t_done if self._same_node() else t_issued + prefill_s
+        self.trace.append((rid, t0, t_issued, t_end))
+        return self._moved, t_end - t0, self._data_s, path
+
+    def _same_node(self) -> bool:
+        if self._prefill_node is None:
+            self._prefill_node = ray.get(self.prefill.node_info.remote(),
+                                         timeout=CALL_TIMEOUT_S)["node_id"]
+        return self._prefill_node == ray.get_runtime_context().get_node_id()
+
     def _issue(self, adm: Admission, path: str, block: dict[int, int], part: tuple,
-               blocks: tuple, i: int, last: bool, capacity: int, index_keys) -> list:
+               blocks: tuple, i: int, last: bool, capacity: int, index_keys,
+               prefill_tokens: list[int] | None = None) -> list:
         """Start chunk ``i``: pages ``part`` (``block[page]``: the target block of each page to
         push; pages missing from it are reused and get only their keys), staging run ``blocks``
         (page ``part[j]`` -> ``blocks[j]``) or (). Issues one push (if anything is written) and
-        one ``complete_landing`` per rank, all at once. Returns [push ref or None, rank refs]."""
+        one ``complete_landing`` per rank, all at once. Returns [push ref or None, rank refs].
+        ``prefill_tokens``: the push is ``prefill_and_push`` of these tokens (the ranks' waits
+        then also cover the prefill)."""
         spec, ranks = self.coord.spec, self.coord.ranks
         rid, P = adm.request_id, spec.page_size
+        wait_s = spec.landing_timeout_s * spec.landing_attempts
+        if prefill_tokens is not None:
+            wait_s += PREFILL_TIMEOUT_S
         dests, steps = plan_chunk(
             rid, adm.num_positions, P, path, block, part, blocks, i, last, capacity,
-            self.coord.endpoints, timeout_s=spec.landing_timeout_s * spec.landing_attempts,
-            layer_groups=spec.landing_layer_groups)
+            self.coord.endpoints, timeout_s=wait_s, layer_groups=spec.landing_layer_groups)
         refs: list = [None]
         if dests:
             order = LandingOrder(rid, tuple(dests), attempts=spec.landing_attempts,
@@ -199,7 +247,8 @@ class Lander:
             # deadline is later, so a request's blocks are never released under a live WRITE.
             # Pushes of one request may run out of order on the worker's threads: the lander
             # drops the send buffer once every chunk is done
-            refs[0] = self.prefill.push.remote(pack(order), P)
+            refs[0] = self.prefill.push.remote(pack(order), P) if prefill_tokens is None \
+                else self.prefill.prefill_and_push.remote(rid, prefill_tokens, pack(order), P)
         # fallback without key staging: one object-store copy serves every rank (a top-level
         # argument, so Ray resolves it on the rank)
         keys_ref = ray.put(index_keys) if index_keys is not None and i == 0 else None
@@ -207,7 +256,7 @@ class Lander:
             refs.append(r.complete_landing.remote(pack(step), keys_ref))
         return refs
 
-    def _finish(self, item) -> None:
+    def _finish(self, item, extra_s: float = 0.0) -> None:
         """Wait for one chunk's calls, account its bytes and seconds, release its staging run.
 
         A failed push cancels the ranks' notification waits at once. Every call of the chunk must
@@ -217,11 +266,12 @@ class Lander:
         WRITE's bytes land later, anywhere in the blocks the request held: the lander then FENCES
         the replica (``Coordinator.fence``: it stops stepping and admitting, every waiter gets a
         typed error) and keeps the staging run leased, instead of reusing memory that may still
-        be written."""
+        be written. ``extra_s``: added to the deadline (a push that first prefills)."""
         rid, refs, blocks = item
         spec = self.coord.spec
         live = [r for r in refs if r is not None]
-        deadline = spec.landing_attempts * spec.landing_timeout_s + spec.landing_call_timeout_s
+        deadline = spec.landing_attempts * spec.landing_timeout_s + spec.landing_call_timeout_s \
+            + extra_s
         if refs[0] is not None:
             try:
                 ray.get(refs[0], timeout=deadline)
@@ -248,7 +298,9 @@ class Lander:
             self.staging.release(blocks)
         out = ray.get(live)  # every call ended: raises the first failure
         if refs[0] is not None:
-            moved, seconds = out[0]
+            moved, seconds = out[0][:2]
+            if len(out[0]) == 4:  # prefill_and_push: also where and how long its prefill ended
+                self._prefill_end = out[0][2:]
             self._moved += moved
             self._data_s += seconds
             out = out[1:]

@@ -58,7 +58,7 @@ class PrefillWorker:
         self._lock = threading.Lock()
         self._held: tuple[str, int] | None = None  # (request id, positions) in the send buffer
         self.stats = {"prefills": 0, "pushes": 0, "pushed_bytes": 0, "push_s": 0.0, "prefill_s": 0.0,
-                      "failed_pushes": 0, "pushes_started": 0}
+                      "failed_pushes": 0, "pushes_started": 0, "pushes_with_prefill": 0}
         # (request id, call started, WRITEs planned, last DONE): perf_counter() per push
         self.landing_trace: collections.deque = collections.deque(maxlen=10_000)
 
@@ -118,6 +118,18 @@ class PrefillWorker:
         self.stats["prefills"] += 1
         self.stats["prefill_s"] += dt
         return PrefillResult(request_id, T, keys, dt)
+
+    def prefill_and_push(self, request_id: str, tokens: list[int], order: LandingOrder | bytes,
+                         page_size: int) -> tuple[int, float, float, float]:
+        """``prefill`` (keys by NIXL only) and at once ``push(order)``, in one call
+        (``ReplicaSpec.landing_push_with_prefill``): the WRITE starts as soon as the KV exists,
+        without a round trip through the lander. Returns (bytes moved, WRITE seconds, the
+        ``perf_counter`` stamp when prefill ended, prefill seconds)."""
+        self.stats["pushes_with_prefill"] += 1
+        result = self.prefill(request_id, tokens, keys_inline=False)
+        t_done = time.perf_counter()
+        moved, seconds = self.push(order, page_size)
+        return moved, seconds, t_done, result.prefill_s
 
     def _synthetic(self, T: int, tokens: list[int]) -> torch.Tensor:
         """``PrefillSpec.synthetic_kv`` (benchmarks): fill rows and keys of positions ``0..T-1``

@@ -80,6 +80,12 @@ class ReplicaSpec:
         its own notification, and rank 0 copies group g to host while later groups are still in
         flight (overlaps the NIXL WRITE with the D2H copy). 1 = one WRITE (what was measured on
         the H200); capped at the layer count.
+    landing_push_with_prefill: a one-chunk landing leases its staging run and plans its WRITEs
+        before prefill, and the prefill worker pushes in the same call as its prefill (no Ray
+        round trip through the lander between KV ready and WRITE: ~2 ms of a 16K-token landing
+        on the H200). The staging run is then held through the prefill, which delays other
+        prefill workers' landings when the pool holds only one prompt. Off by default until
+        measured both ways on the GPU.
     """
 
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -98,6 +104,7 @@ class ReplicaSpec:
     step_yield_s: float | None = None
     landing_layer_groups: int = 1
     landing_call_timeout_s: float = 120.0
+    landing_push_with_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

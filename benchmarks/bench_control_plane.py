@@ -116,7 +116,9 @@ def landing_phases(rids: list[str], lander: list, pushes: list, ranks: list[list
     ``plan`` (-> WRITEs built), ``write`` (-> last WRITE DONE), ``notify`` (-> rank 0 saw its
     first notification; negative when it came before the sender saw DONE), ``copy`` (-> staging
     copied to host), ``rank finish`` (-> rank 0's keys installed, call returned), ``return``
-    (-> the lander saw every call end). Multi-chunk landings: first start, last end."""
+    (-> the lander saw every call end). Multi-chunk landings: first start, last end. With
+    ``--push-with-prefill`` the calls go out before prefill (``issue`` is negative) and the push
+    runs as prefill ends (``push start`` ~0)."""
     first = lambda rows, rid, k: min(t[k] for t in rows if t[0] == rid)  # noqa: E731
     last = lambda rows, rid, k: max(t[k] for t in rows if t[0] == rid)  # noqa: E731
     cols: dict[str, list[float]] = collections.defaultdict(list)
@@ -225,6 +227,9 @@ def main() -> int:
     ap.add_argument("--direct-max-tokens", type=int, default=None,
                     help="measure the direct path only for prompts up to this length (on a GPU "
                          "host it runs at ~0.4 GB/s: a GB takes longer than a landing attempt)")
+    ap.add_argument("--push-with-prefill", action="store_true",
+                    help="ReplicaSpec.landing_push_with_prefill: one-chunk landings push in the "
+                         "prefill call (e2e then counts from the worker's prefill end)")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -246,7 +251,8 @@ def main() -> int:
                            num_device_blocks=max(4, 256 // args.page_size),
                            staging_blocks=args.staging_blocks, page_size=args.page_size,
                            gpus_per_rank=0.4 if gpu else 0.0, replica_id="bench",
-                           landing_layer_groups=args.layer_groups)
+                           landing_layer_groups=args.layer_groups,
+                           landing_push_with_prefill=args.push_with_prefill)
         pspecs = [PrefillSpec(model=model, max_prompt_tokens=max(max_tokens, 256),
                               gpus=0.1 if gpu else 0.0, name=name,
                               synthetic_kv=args.synthetic_prefill)
@@ -277,6 +283,7 @@ def main() -> int:
               "page_size": args.page_size, "staging_blocks": args.staging_blocks,
               "landing_layer_groups": args.layer_groups, "model": dataclasses.asdict(model),
               "synthetic_prefill": args.synthetic_prefill,
+              "push_with_prefill": args.push_with_prefill,
               "kv_bytes_per_token": per_token,
               "control_plane": cp, "landing": land}
     if cp:

@@ -68,8 +68,10 @@ case "${1:-run}" in
           > "$OUT/tp_profile.log" 2>&1
         grep -E "^ +[0-9. ]+%|rank [01]:|^tp|^layout|up in|py-spy|Error" "$OUT/tp_profile.log" | cut -c1-120 | tail -75
         exit 0 ;;
-      landing-phases)  # ~2 min
-        land landing_s6 280 --tokens 8192 16384 --staging-blocks 256 --repeats 3 --synthetic-prefill
+      landing-phases)  # ~3 min: the usual landing, then with the push inside the prefill call
+        land landing_s6 200 --tokens 8192 16384 --staging-blocks 256 --repeats 3 --synthetic-prefill
+        land landing_pwp 200 --tokens 8192 16384 --staging-blocks 256 --repeats 3 --synthetic-prefill \
+          --push-with-prefill
         exit 0 ;;
       tp-bench)  # ~5 min: decode step time per TP layout, tiny and landing-shaped models
         timeout 250 python3 benchmarks/bench_tp.py --model tiny --requests 8 --context 2048 \
