@@ -164,7 +164,7 @@ class Coordinator:
             self._next_lander += 1
         self._landers[index].enqueue(adm, self._prompts[adm.request_id])
 
-    def reroute(self, adm: Admission, prompt: list[int]) -> None:
+    def reroute(self, adm: Admission) -> None:
         """Lander: it was retired with ``adm`` still queued; hand it to a live lander (or fail
         it when none is left)."""
         with self.cond:

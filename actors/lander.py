@@ -82,7 +82,6 @@ class Lander:
         # deadline); it lands nothing more and hands its queue to live landers
         self.retired: BaseException | None = None
         self._prefill_node: str | None = None  # the prefill worker's Ray node (asked once)
-        self._prefill_end: tuple[float, float] = (0.0, 0.0)  # last prefill_and_push: end, seconds
 
     def start(self) -> None:
         self._thread.start()
@@ -103,7 +102,7 @@ class Lander:
             adm, prompt = item
             rid = adm.request_id
             if self.retired is not None:  # queued before the retirement: another lander lands it
-                self.coord.reroute(adm, prompt)
+                self.coord.reroute(adm)
                 continue
             if self.coord.abort_requested(rid):  # aborted while queued: release, land nothing
                 self.coord.landing_failed(rid, None)
@@ -147,17 +146,15 @@ class Lander:
         keys_nixl = bool(eps[0].key_layers) and self.staging is not None
         staged = path == "staged" or keys_nixl  # chunks lease staging runs
         capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
-        if spec.landing_push_with_prefill and keys_nixl and T > 0:
-            parts = chunk_pages(list(range(-(-T // P))), self.staging.capacity, IN_FLIGHT)
-            if len(parts) == 1:
-                return self._land_with_prefill(adm, prompt, path, block, parts[0], capacity)
+        pages = list(range(-(-T // P))) if keys_nixl else sorted(block)
+        parts = chunk_pages(pages, self.staging.capacity, IN_FLIGHT) if staged \
+            else [tuple(pages)]
+        if spec.landing_push_with_prefill and keys_nixl and T > 0 and len(parts) == 1:
+            return self._land_with_prefill(adm, prompt, path, block, parts[0], capacity)
         result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T]), not keys_nixl),
                          timeout=PREFILL_TIMEOUT_S)
         t0 = time.perf_counter()
         self._moved, self._data_s = 0, 0.0
-        pages = list(range(-(-T // P))) if keys_nixl else sorted(block)
-        parts = chunk_pages(pages, self.staging.capacity, IN_FLIGHT) if staged \
-            else [tuple(pages)]
         inflight: collections.deque = collections.deque()
         t_issued = None
         try:
@@ -206,12 +203,11 @@ class Lander:
             self.staging.release(blocks)
             raise
         try:
-            self._finish((rid, refs, blocks), extra_s=PREFILL_TIMEOUT_S)
+            _, _, t_done, prefill_s = self._finish((rid, refs, blocks), extra_s=PREFILL_TIMEOUT_S)
         except BaseException:
             self._abandon(rid, collections.deque())
             raise
         t_end = time.perf_counter()
-        t_done, prefill_s = self._prefill_end
         t0 = t_done if self._same_node() else t_issued + prefill_s
         self.trace.append((rid, t0, t_issued, t_end))
         return self._moved, t_end - t0, self._data_s, path
@@ -256,8 +252,9 @@ class Lander:
             refs.append(r.complete_landing.remote(pack(step), keys_ref))
         return refs
 
-    def _finish(self, item, extra_s: float = 0.0) -> None:
-        """Wait for one chunk's calls, account its bytes and seconds, release its staging run.
+    def _finish(self, item, extra_s: float = 0.0) -> tuple | None:
+        """Wait for one chunk's calls, account its bytes and seconds, release its staging run;
+        returns the push call's result (None without a push).
 
         A failed push cancels the ranks' notification waits at once. Every call of the chunk must
         END before its staging run returns to the pool (no block is reused under a live WRITE or
@@ -297,14 +294,13 @@ class Lander:
         if blocks:
             self.staging.release(blocks)
         out = ray.get(live)  # every call ended: raises the first failure
+        pushed = None
         if refs[0] is not None:
-            moved, seconds = out[0][:2]
-            if len(out[0]) == 4:  # prefill_and_push: also where and how long its prefill ended
-                self._prefill_end = out[0][2:]
-            self._moved += moved
-            self._data_s += seconds
-            out = out[1:]
+            pushed, out = out[0], out[1:]  # prefill_and_push adds its prefill's end and seconds
+            self._moved += pushed[0]
+            self._data_s += pushed[1]
         self._data_s += sum(out)
+        return pushed
 
     def _retire(self, push_ref: Any, rid: str) -> bool:
         """Kill this lander's prefill worker, whose push of ``rid`` outlived every deadline while
@@ -320,10 +316,8 @@ class Lander:
             return False
         try:
             ray.get(push_ref)
-        except ray.exceptions.RayActorError:
-            pass  # the expected end: the worker died with the push running
-        except Exception:
-            pass  # the push failed just before the kill: the worker is dead all the same
+        except Exception:  # RayActorError, expected; or the push failed just before the kill
+            pass
         return self._disconnect(TransferTimeoutError(
             f"prefill worker {self.agent} was still pushing {rid!r} past every deadline", rid))
 
