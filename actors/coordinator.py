@@ -299,6 +299,7 @@ class Coordinator:
             "steps": len(steps),
             "step_ms_median": steps[len(steps) // 2] * 1e3 if steps else None,
             "landing_paths": [lander.path for lander in self._landers],
+            "pushes_with_prefill": [lander.pushes_with_prefill for lander in self._landers],
             # prefill workers retired after a push outlived every deadline (index -> why)
             "retired_prefill": {i: repr(lander.retired) for i, lander in enumerate(self._landers)
                                 if lander.retired is not None},

@@ -82,6 +82,7 @@ class Lander:
         # deadline); it lands nothing more and hands its queue to live landers
         self.retired: BaseException | None = None
         self._prefill_node: str | None = None  # the prefill worker's Ray node (asked once)
+        self.pushes_with_prefill = 0  # landings that took the combined prefill_and_push call
 
     def start(self) -> None:
         self._thread.start()
@@ -149,8 +150,14 @@ class Lander:
         pages = list(range(-(-T // P))) if keys_nixl else sorted(block)
         parts = chunk_pages(pages, self.staging.capacity, IN_FLIGHT) if staged \
             else [tuple(pages)]
-        if spec.landing_push_with_prefill and keys_nixl and T > 0 and len(parts) == 1:
-            return self._land_with_prefill(adm, prompt, path, block, parts[0], capacity)
+        if spec.landing_push_with_prefill != "never" and keys_nixl and T > 0 and len(parts) == 1:
+            # "auto": hold a run through the prefill only while another landing still fits
+            run = self.staging.try_acquire_run(len(parts[0]), spare=len(parts[0])) \
+                if spec.landing_push_with_prefill == "auto" \
+                else lease_run(self.staging, len(parts[0]), collections.deque(), self._finish)
+            if run is not None:
+                self.pushes_with_prefill += 1
+                return self._land_with_prefill(adm, prompt, path, block, parts[0], run, capacity)
         result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T]), not keys_nixl),
                          timeout=PREFILL_TIMEOUT_S)
         t0 = time.perf_counter()
@@ -183,17 +190,16 @@ class Lander:
         return self._moved, t_end - t0, self._data_s, path
 
     def _land_with_prefill(self, adm: Admission, prompt: list[int], path: str,
-                           block: dict[int, int], part: tuple, capacity: int
+                           block: dict[int, int], part: tuple, blocks: tuple, capacity: int
                            ) -> tuple[int, float, float, str]:
         """``ReplicaSpec.landing_push_with_prefill``, one chunk with keys by NIXL: lease the
-        staging run and plan the WRITEs BEFORE prefill, then one ``prefill_and_push`` call (the
+        staging run (``blocks``, already leased) and plan the WRITEs BEFORE prefill, then one ``prefill_and_push`` call (the
         worker WRITEs as soon as its KV exists: no round trip through the lander in between)
         and the ranks' ``complete_landing`` calls, whose notification deadline covers the
         prefill. The run stays leased through the prefill. Seconds end to end count from the
         worker's prefill end (its ``perf_counter``, one clock per host; from another node: the
         call's submission plus the prefill's own seconds)."""
         rid = adm.request_id
-        blocks = lease_run(self.staging, len(part), collections.deque(), self._finish)
         self._moved, self._data_s = 0, 0.0
         t_issued = time.perf_counter()
         try:

@@ -432,6 +432,23 @@ class StagingPool:
 
         return self._take(n, timeout, pick, f"no run of {n} staging blocks")
 
+    def try_acquire_run(self, n: int, spare: int) -> tuple[int, ...] | None:
+        """``n`` contiguous blocks now, or None: only when nobody waits for the pool and, after
+        this lease, at least ``spare`` blocks stay free. Never blocks. What the lander uses to
+        hold a run through a prefill only while that cannot delay another landing."""
+        if not 1 <= n <= self.capacity:
+            raise StateError(f"staging request of {n} blocks; pool holds {self.capacity}")
+        with self._cond:
+            if self._queue or len(self._free) - n < spare:
+                return None
+            start = self._first_fit(n)
+            if start is None:
+                return None
+            got = tuple(range(start, start + n))
+            self._free = collections.deque(b for b in self._free if b not in set(got))
+            self._leased.update(got)
+            return got
+
     def _take(self, n: int, timeout: float | None, pick, what: str) -> tuple[int, ...]:
         """Wait (FIFO) until this caller is at the head of the queue and ``pick()`` finds blocks;
         lease them. ``pick`` runs under the lock and returns the blocks or None."""

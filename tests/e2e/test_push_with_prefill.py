@@ -64,3 +64,40 @@ def test_push_with_prefill_lands_exactly_and_fails_cleanly(ray_cluster):
     c = m["counters"]
     assert c["device_blocks_used"] == 0 and c["host_blocks_used"] == 0, c
     assert m["staging_free_blocks"] == SPEC.staging_blocks
+
+
+def test_auto_pushes_with_prefill_only_while_another_landing_fits(ray_cluster):
+    """The default, ``"auto"``: a landing takes the combined call only when its staging run
+    leaves room for another landing of its size; a bigger one takes the usual path. Both exact."""
+    spec = ReplicaSpec(tp_size=2, num_device_blocks=12, staging_blocks=32, page_size=8,
+                       replica_id="pwp-auto")
+    assert spec.landing_push_with_prefill == "auto"
+    rng = random.Random(5)
+    requests = [("small", [rng.randrange(1, 96) for _ in range(100)]),    # 13 pages: 19 stay free
+                ("big", [rng.randrange(1, 96) for _ in range(200)])]      # 25 pages: 7 stay free
+    worker = launch.launch_prefill(PrefillSpec(name="pwp-auto"))
+    rep = launch.launch_replica(spec)
+    try:
+        launch.connect(rep, worker, "staged")
+        rows = {}
+        for rid, p in requests:  # one at a time: the pool is otherwise empty
+            ray.get(rep.coordinator.submit.remote(rid, p, 4, None, 0))
+            rows.update((r["request_id"], r) for r in ray.get(rep.coordinator.wait.remote([rid], 300)))
+        stats = ray.get(worker.get_stats.remote())
+        m = ray.get(rep.coordinator.metrics.remote())
+    finally:
+        rep.shutdown()
+        ray.kill(worker)
+    ref = full_resident_tokens(spec.model, [p for _, p in requests], 4, [rid for rid, _ in requests])
+    for rid, _ in requests:
+        assert rows[rid]["error"] is None, rows[rid]
+        assert rows[rid]["tokens"] == ref[rid], rid
+    assert stats["pushes_with_prefill"] == 1 and m["pushes_with_prefill"] == [1], (stats, m)
+    assert m["staging_free_blocks"] == spec.staging_blocks
+
+
+@pytest.mark.parametrize("value", ["sometimes", 1, None])
+def test_push_with_prefill_refuses_unknown_values(value):
+    with pytest.raises(ValueError, match="landing_push_with_prefill"):
+        ReplicaSpec(landing_push_with_prefill=value)
+    assert ReplicaSpec(landing_push_with_prefill=True).landing_push_with_prefill == "always"
