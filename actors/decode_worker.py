@@ -26,7 +26,7 @@ from hisparse_ray.errors import (
     TransferTimeoutError,
 )
 from hisparse_ray.hostpool import HostPool
-from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
+from hisparse_ray.transfer import NixlTransferEngine, TransferEngine, stepcodec
 
 POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle
 CANCELLED_MEMORY = 4096  # failed landings remembered per rank (to stop their late calls)
@@ -86,7 +86,9 @@ class DecodeWorker:
         gpu = torch.cuda.get_device_properties(0).uuid if self.spec.use_cuda else None
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "ip": tp.node_ip(), "gpu": str(gpu) if gpu is not None else None,
-                "tp_backend": dist.get_backend() if dist.is_initialized() else None}
+                "tp_backend": dist.get_backend() if dist.is_initialized() else None,
+                # the step channel's C hot path (hisparse_ray._wire) is built and on here
+                "native_wire": stepcodec.NATIVE is not None}
 
     def rendezvous(self) -> tp.Rendezvous:
         if self.rank != 0:

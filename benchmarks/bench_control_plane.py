@@ -78,7 +78,9 @@ def bench_control_plane(rep, probes: int) -> dict:
                 if all(s in log for log in rank_logs)]
     stages = step_stages(ray.get(coord.get_step_trace.remote()),
                          ray.get([r.get_step_trace.remote() for r in ranks]))
-    return {"shm_empty_step_round_trip": _us(shm), "real_step_overhead": _us(overhead),
+    native = [ray.get(r.node_info.remote())["native_wire"] for r in ranks]
+    return {"native_wire": native, "shm_empty_step_round_trip": _us(shm),
+            "real_step_overhead": _us(overhead),
             "ray_call_one_rank": _us(plain), "ray_call_fanout_tp2": _us(fanout),
             "real_step_stages": stages}
 
@@ -227,14 +229,20 @@ def main() -> int:
     ap.add_argument("--direct-max-tokens", type=int, default=None,
                     help="measure the direct path only for prompts up to this length (on a GPU "
                          "host it runs at ~0.4 GB/s: a GB takes longer than a landing attempt)")
-    ap.add_argument("--push-with-prefill", action="store_true",
-                    help="ReplicaSpec.landing_push_with_prefill: one-chunk landings push in the "
-                         "prefill call (e2e then counts from the worker's prefill end)")
+    ap.add_argument("--push-with-prefill", nargs="?", const="always", default="never",
+                    choices=["never", "auto", "always"],
+                    help="ReplicaSpec.landing_push_with_prefill (bare flag: always): one-chunk "
+                         "landings push in the prefill call (e2e then counts from the worker's "
+                         "prefill end); auto only while the staging pool keeps room for another")
+    ap.add_argument("--wire", choices=["native", "python"], default="native",
+                    help="the step channel's codec and ring: the C hot path (hisparse_ray._wire, "
+                         "where built) or its pure-Python twin (HISPARSE_NATIVE_WIRE=0)")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
+    env = {"HISPARSE_NATIVE_WIRE": "1" if args.wire == "native" else "0"}
     ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), num_gpus=1 if gpu else 0,
-             include_dashboard=False, log_to_driver=False)
+             include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     try:
         # on a GPU the prefill workers sit on the GPU too: "direct" is then GPU -> another
         # process's pinned host over UCX, "staged" GPU -> the rank's GPU staging pool + local D2H
@@ -273,6 +281,10 @@ def main() -> int:
                  or t <= args.direct_max_tokens], per_token,
                 dict(zip(("direct", "staged"), workers)))
                 for t in args.tokens} if args.only != "control" else {}
+            pushed_with_prefill = ray.get(rep.coordinator.metrics.remote())["pushes_with_prefill"]
+            if land:
+                print(f"  landings pushed inside the prefill call, per prefill worker: "
+                      f"{pushed_with_prefill}")
         finally:
             rep.shutdown()
     finally:
@@ -284,6 +296,7 @@ def main() -> int:
               "landing_layer_groups": args.layer_groups, "model": dataclasses.asdict(model),
               "synthetic_prefill": args.synthetic_prefill,
               "push_with_prefill": args.push_with_prefill,
+              "pushes_with_prefill": pushed_with_prefill,
               "kv_bytes_per_token": per_token,
               "control_plane": cp, "landing": land}
     if cp:
@@ -297,10 +310,10 @@ def main() -> int:
 
 
 def _print_control(cp: dict, machine: str) -> None:
-    print(f"\ncontrol plane at TP 2 ({machine}):")
+    print(f"\ncontrol plane at TP 2 ({machine}; C hot path on the ranks: {cp['native_wire']}):")
     print(f"{'measurement':<32} {'median us':>10} {'p90 us':>10} {'n':>6}")
     for k, v in cp.items():
-        if "median_us" in v:
+        if isinstance(v, dict) and "median_us" in v:
             print(f"{k:<32} {v['median_us']:>10.1f} {v['p90_us']:>10.1f} {v['n']:>6}")
     stages = cp.get("real_step_stages", {})
     if stages:

@@ -11,6 +11,8 @@
 #   or, ranks profiled per TP layout (carry .device-wheels/nixl and .device-wheels/pyspy):  ... profile
 #       (fill it once here: pip download -q py-spy --no-deps -d .device-wheels/pyspy)
 #   or, 8K / 16K-token landings (synthetic prefill) with their phases:  ... landing-phases
+#   or, 16K landings under the default push-with-prefill "auto":  ... landing-auto
+#   or, the step channel's C hot path vs Python (micro and actor control plane):  ... wire
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -21,7 +23,7 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|wire|landing-auto)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -68,6 +70,11 @@ case "${1:-run}" in
           > "$OUT/tp_profile.log" 2>&1
         grep -E "^ +[0-9. ]+%|rank [01]:|^tp|^layout|up in|py-spy|Error" "$OUT/tp_profile.log" | cut -c1-120 | tail -75
         exit 0 ;;
+      landing-auto)  # ~1.5 min: 16K landings, the default push_with_prefill "auto", a pool of 2 prompts
+        land landing_auto 200 --tokens 16384 --staging-blocks 512 --repeats 4 --synthetic-prefill \
+          --push-with-prefill auto
+        grep -E "pushed inside" "$OUT/landing_auto.log"
+        exit 0 ;;
       landing-phases)  # ~3 min: the usual landing, then with the push inside the prefill call
         land landing_s6 200 --tokens 8192 16384 --staging-blocks 256 --repeats 3 --synthetic-prefill
         land landing_pwp 200 --tokens 8192 16384 --staging-blocks 256 --repeats 3 --synthetic-prefill \
@@ -80,6 +87,18 @@ case "${1:-run}" in
         timeout 300 python3 benchmarks/bench_tp.py --model landing --requests 8 --context 8192 \
           --new-tokens 32 --out "$OUT/tp_landing.json" > "$OUT/tp_landing.log" 2>&1
         grep -E "$keep|^tp|^layout|up in|^decode" "$OUT/tp_landing.log" | tail -10
+        exit 0 ;;
+      wire)  # ~5 min: the C hot path built here?, its tests, bench_wire, control plane Python vs C
+        gcc --version | head -1; python3 -c "import sysconfig, os; h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); print('Python.h', os.path.exists(h))"
+        python3 -c "from hisparse_ray.transfer.stepcodec import NATIVE; print('native wire:', NATIVE)"
+        timeout 90 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_native_wire.py \
+          tests/transfer/test_stepcodec.py tests/transfer/test_channel.py 2>&1 | tail -2
+        timeout 60 python3 benchmarks/bench_wire.py --out "$OUT/wire.json" 2>&1 | tail -9
+        for w in python native; do
+          timeout 150 python3 benchmarks/bench_control_plane.py --only control --probes 1000 \
+            --wire "$w" --out "$OUT/control_plane_$w.json" > "$OUT/control_plane_$w.log" 2>&1
+          grep -E "$keep|hot path|^stages" "$OUT/control_plane_$w.log" | tail -9
+        done
         exit 0 ;;
       control)  # ~4 min: codec/channel bench and the actor system's control plane
         timeout 100 python3 benchmarks/bench_channel.py --configs old codec new yield \

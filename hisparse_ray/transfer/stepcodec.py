@@ -20,6 +20,13 @@ lossless):
     every hot buffer in full). The channel calls it when a message was encoded but not delivered.
     A decoder that failed mid-message refuses further messages (``ChannelError``): never a silent
     misread.
+Native hot path: when the optional C module ``hisparse_ray._wire`` is built (``setup.py``; any C
+compiler), commands that define no new id are encoded and every command is decoded in C, and a
+report of exact builtin types travels as a compact binary layout (``TAG_REPORT_BIN``) instead of
+marshal. The command bytes are identical either way; the Python decoder reads both report
+layouts, so ends with and without the module interoperate. ``HISPARSE_NATIVE_WIRE=0`` (or
+``StepCodec(native=False)``) keeps everything in Python. Measured cause: on the H200 these
+stages ran 3-5x slower than warm right after a model forward (BENCHMARKS.md, session 5).
 Lossless: ``loads(dumps(m)) == m`` with the same types for every message the binary path accepts
 (exact ``tuple``s of exact wire types, ``str`` request ids, ints within int64; marshal for reports
 refuses anything but exact builtins); anything else, and any other object, falls back to plain
@@ -37,10 +44,11 @@ from itertools import chain
 from typing import Any
 
 from hisparse_ray import types as wire
+from hisparse_ray.config import env_flag
 from hisparse_ray.errors import ChannelError
 from hisparse_ray.transfer.codec import PickleCodec, _fast_constructor
 
-TAG_FALLBACK, TAG_COMMAND, TAG_REPORT = 0, 1, 2
+TAG_FALLBACK, TAG_COMMAND, TAG_REPORT, TAG_REPORT_BIN = 0, 1, 2, 3
 _ALL_HOT_SAME = 1  # flags bit: every batch row's hot_blocks equals its previous row's
 
 # tag, flags, step, rank, rows, diffs, transfers, backups, released, defs, hot values
@@ -109,6 +117,56 @@ _make_cmd = _fast_constructor(wire.StepCommand, list(_LAYOUT[wire.StepCommand]))
 _make_rep = _fast_constructor(wire.StepReport, list(_LAYOUT[wire.StepReport]))
 _rep_get = operator.attrgetter(*_LAYOUT[wire.StepReport])
 _REPORT_TAG = bytes((TAG_REPORT,))
+# TAG_REPORT_BIN: tag, step, rank, hot_hits, hot_misses (int64), then the lengths of enqueued,
+# completed, sampled, hits_by_request (uint32); int64 enqueued and completed; per sampled entry
+# (uint32 id length, utf-8 id, int64 token); per hits entry (length, id, int64 hits, misses)
+_REP_BIN = struct.Struct("<B4q4I")
+_U32 = struct.Struct("<I")
+
+
+def _load_native():
+    """The configured C module, or None (not built, switched off, or the wire types changed)."""
+    if not env_flag("HISPARSE_NATIVE_WIRE", True) or not (_COMMAND_OK and _REPORT_OK):
+        return None
+    try:
+        from hisparse_ray import _wire
+    except ImportError:
+        return None
+    classes = (wire.BatchRow, wire.TableDiff, wire.PageTransfer, wire.Backup, wire.StepCommand,
+               wire.StepReport)
+    if any(_fast_constructor(c, list(_LAYOUT[c])) is c for c in classes):
+        return None  # a class with __post_init__ or without slots: only Python builds it
+    try:
+        _wire.configure(tuple((c, tuple(getattr(c, f) for f in _LAYOUT[c])) for c in classes),
+                        _KINDS)
+    except TypeError:
+        return None
+    return _wire
+
+
+NATIVE = _load_native()
+
+
+def _load_report_bin(data) -> wire.StepReport:
+    """The Python reader of ``TAG_REPORT_BIN`` (what ``_wire.load_report`` does in C)."""
+    _, step, rank, hits, misses, ne, nc, ns, nh = _REP_BIN.unpack_from(data, 0)
+    off = _REP_BIN.size
+    ints = struct.unpack_from(f"<{ne + nc}q", data, off)
+    off += 8 * (ne + nc)
+    keyed = []
+    for n, width in ((ns, 1), (nh, 2)):
+        entries = []
+        for _ in range(n):
+            (ln,) = _U32.unpack_from(data, off)
+            off += 4
+            rid = str(data[off:off + ln], "utf-8")
+            off += ln
+            entries.append((rid, *struct.unpack_from(f"<{width}q", data, off)))
+            off += 8 * width
+        keyed.append(tuple(entries))
+    if off != len(data):
+        raise ValueError(f"report of {len(data)} bytes, layout ends at {off}")
+    return _make_rep(step, rank, ints[:ne], ints[ne:], keyed[0], hits, misses, keyed[1])
 
 
 # (max_ids, state token) -> (command, header fields, bytes after the header, state delta, token
@@ -143,10 +201,14 @@ class StepCodec:
     both). Never share an instance between two channels sending: use ``fresh()``.
     """
 
-    def __init__(self, max_ids: int = 8192) -> None:
+    def __init__(self, max_ids: int = 8192, native: bool | None = None) -> None:
         if max_ids < 1:
             raise ValueError(f"max_ids must be >= 1, got {max_ids}")
         self.max_ids = max_ids
+        # the C hot path (None: use it where built); the bytes it writes are Python's own
+        self._native = NATIVE if native is None or native else None
+        if native and NATIVE is None:
+            raise ValueError("native=True, but hisparse_ray._wire is not built or is switched off")
         self._fallback = PickleCodec()
         self.reset()
         self._names: list[str | None] = []  # decoder: index -> request id
@@ -155,7 +217,12 @@ class StepCodec:
 
     def fresh(self) -> StepCodec:
         """A new codec with the same settings and no state (one per channel)."""
-        return StepCodec(self.max_ids)
+        return StepCodec(self.max_ids, self._native is not None)
+
+    @property
+    def native(self) -> bool:
+        """Whether this codec runs the C hot path."""
+        return self._native is not None
 
     def reset(self) -> None:
         """Forget the encoder state: the next message redefines every id it names."""
@@ -171,6 +238,10 @@ class StepCodec:
             if cls is wire.StepCommand and _COMMAND_OK:
                 return self._dump_command(obj)
             if cls is wire.StepReport and _REPORT_OK:
+                if self._native is not None:
+                    out = self._native.dump_report(obj)
+                    if out is not None:
+                        return out
                 return self._dump_report(obj)
         except Exception:  # noqa: BLE001 - any value the layout cannot carry: the fallback
             self.reset()  # the failed attempt may have defined ids nobody will receive
@@ -256,6 +327,12 @@ class StepCodec:
                 self._apply(delta)
                 self._token = after
                 return out
+        if self._native is not None and len(self._ids) <= self.max_ids:
+            fast = self._native.encode_command(cmd, self._ids, self._hot_out)
+            if fast is not None:  # every id known: the same bytes as below, in C
+                head, rest, out, hot_updates = fast
+                return self._remember(key, cmd, head, rest, (False, {}, hot_updates,
+                                                              cmd.released), out)
         batch = _check(cmd.batch, wire.BatchRow)
         diffs = _check(cmd.table_diffs, wire.TableDiff)
         xfers = _check(cmd.transfers, wire.PageTransfer)
@@ -296,7 +373,11 @@ class StepCodec:
             *idx[nb + nd + nk:], *hot_vals)
         head = (flags, nb, nd, len(xfers), nk, len(released), len(new), len(hot_vals))
         out = _CMD.pack(TAG_COMMAND, flags, cmd.step, cmd.rank, *head[1:]) + rest
-        delta = (drop, new, hot_updates, released)
+        return self._remember(key, cmd, head, rest, (drop, new, hot_updates, released), out)
+
+    def _remember(self, key: tuple, cmd: wire.StepCommand, head: tuple, rest: bytes,
+                  delta: tuple, out: bytes) -> bytes:
+        """Advance the encoder state by ``delta`` and leave the encoding for the TP group."""
         self._apply(delta)
         after = next(_TOKENS)
         if len(_MEMO) >= _MEMO_MAX:
@@ -320,7 +401,13 @@ class StepCodec:
             raise ChannelError(f"step codec is out of step after a failed decode ({self._broken})")
         try:
             if tag == TAG_COMMAND:
+                if self._native is not None:
+                    return self._native.load_command(data, self._names, self._hot_in)
                 return self._load_command(data)
+            if tag == TAG_REPORT_BIN:
+                if self._native is not None:
+                    return self._native.load_report(data)
+                return _load_report_bin(data)
             if tag == TAG_REPORT:
                 return self._load_report(data)
             raise ValueError(f"unknown message tag {tag}")

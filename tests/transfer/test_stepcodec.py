@@ -1,6 +1,8 @@
 """StepCodec, the stateful binary step codec: every message decodes equal (same types) to what was
 encoded, over random single messages and random stateful sequences (ids appearing, repeating,
-released and re-used, hot buffers kept or changed, tables dropped, undelivered messages)."""
+released and re-used, hot buffers kept or changed, tables dropped, undelivered messages). Every
+test runs on the pure-Python codec and on the C hot path (``hisparse_ray._wire``); the C path
+must also write the very bytes Python writes (``test_native_writes_pythons_bytes``)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,20 @@ from hisparse_ray import types as T
 from hisparse_ray.errors import ChannelError
 from hisparse_ray.transfer.stepcodec import (
     _LAYOUT,
+    NATIVE,
     TAG_COMMAND,
     TAG_FALLBACK,
     TAG_REPORT,
+    TAG_REPORT_BIN,
     StepCodec,
     layout_matches,
 )
+
+# every test on both codecs; the C one is built by `pip install -e .` wherever a compiler is
+# (CI has one: test_native_is_built says so)
+pytestmark = pytest.mark.parametrize("native", [
+    False, pytest.param(True, marks=pytest.mark.skipif(NATIVE is None, reason="_wire not built"))],
+    ids=["python", "native"])
 
 i64 = st.integers(-(2**63), 2**63 - 1)
 small = st.integers(-1, 2**31 - 1)
@@ -55,28 +65,28 @@ def reports(ids=any_id, ints=small):
                      tup(st.tuples(ids, ints, ints), 5))
 
 
-def test_layout_covers_every_wire_field():
+def test_layout_covers_every_wire_field(native):
     """The binary path is active for every message type (a field added to types.py lands here:
     teach stepcodec's layout the field; until then such messages ride the fallback)."""
     for cls in _LAYOUT:
         assert layout_matches(cls), f"{cls.__name__} fields changed: update stepcodec._LAYOUT"
-    codec = StepCodec()
+    codec = StepCodec(native=native)
     assert codec.dumps(T.StepCommand(1, T.Rank(0), ()))[0] == TAG_COMMAND
-    assert codec.dumps(T.StepReport(1, T.Rank(0)))[0] == TAG_REPORT
+    assert codec.dumps(T.StepReport(1, T.Rank(0)))[0] == (TAG_REPORT_BIN if native else TAG_REPORT)
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.one_of(commands(ints=i64), reports(ints=i64)))
-def test_single_message_round_trip(msg):
-    enc, dec = StepCodec(), StepCodec()
+def test_single_message_round_trip(native, msg):
+    enc, dec = StepCodec(native=native), StepCodec(native=native)
     data = enc.dumps(msg)
-    assert data[0] in (TAG_COMMAND, TAG_REPORT)
+    assert data[0] in (TAG_COMMAND, TAG_REPORT_BIN if native else TAG_REPORT)
     assert _same(dec.loads(data), msg)
 
 
 @settings(max_examples=30, deadline=None)
 @given(st.data())
-def test_stateful_sequences(data):
+def test_stateful_sequences(native, data):
     """A stream over a small id pool: ids repeat, get released and come back; hot buffers repeat
     (same tuple object or an equal copy) or change; some messages are encoded but never delivered
     (the channel then resets the encoder); a tiny id table is dropped now and then."""
@@ -88,7 +98,7 @@ def test_stateful_sequences(data):
     max_ids = data.draw(st.sampled_from([1, 3, 8192]))
     # a TP group: each rank's channel gets the same stream (its own rank), so the encoders share
     # encodings through the memo; each may also lose a message on its own
-    ranks = [(StepCodec(max_ids), StepCodec()) for _ in range(data.draw(st.integers(1, 3)))]
+    ranks = [(StepCodec(max_ids, native=native), StepCodec(native=native)) for _ in range(data.draw(st.integers(1, 3)))]
     for _ in range(data.draw(st.integers(1, 15))):
         msg = data.draw(commands(ids, hot) | reports(ids))
         for r, (enc, dec) in enumerate(ranks):
@@ -101,8 +111,8 @@ def test_stateful_sequences(data):
             assert _same(dec.loads(payload), mine)
 
 
-def test_unchanged_hot_buffers_are_not_resent():
-    enc, dec = StepCodec(), StepCodec()
+def test_unchanged_hot_buffers_are_not_resent(native):
+    enc, dec = StepCodec(native=native), StepCodec(native=native)
     hot = tuple(range(1000, 1033))
     rows = lambda step: tuple(T.BatchRow(T.RequestId(f"r{i}"), step, 7, tuple(hot))  # noqa: E731
                               for i in range(32))
@@ -114,9 +124,9 @@ def test_unchanged_hot_buffers_are_not_resent():
     assert b.batch[5].hot_blocks is a.batch[5].hot_blocks  # the decoder hands back its tuple
 
 
-def test_tp_group_encodes_a_step_once():
+def test_tp_group_encodes_a_step_once(native):
     """Equal commands (rank aside) from equal encoder states: one encoding, rank re-packed."""
-    group = [StepCodec() for _ in range(3)]
+    group = [StepCodec(native=native) for _ in range(3)]
     rows = tuple(T.BatchRow(T.RequestId(f"r{i}"), 9, 1, (i, i + 1)) for i in range(8))
     for step in range(3):
         payloads = [e.dumps(T.StepCommand(step, T.Rank(r), rows)) for r, e in enumerate(group)]
@@ -124,11 +134,11 @@ def test_tp_group_encodes_a_step_once():
         assert len({e._token for e in group}) == 1 and group[0]._token != 0
     group[1].reset()  # rank 1 lost a message: it encodes on its own from now on
     cmd = T.StepCommand(3, T.Rank(1), rows)
-    assert _same(StepCodec().loads(group[1].dumps(cmd)), cmd)
+    assert _same(StepCodec(native=native).loads(group[1].dumps(cmd)), cmd)
 
 
-def test_released_ids_are_forgotten_and_indices_reused():
-    enc, dec = StepCodec(), StepCodec()
+def test_released_ids_are_forgotten_and_indices_reused(native):
+    enc, dec = StepCodec(native=native), StepCodec(native=native)
     r = lambda s: T.BatchRow(T.RequestId(s), 1, 2, (3,))  # noqa: E731
     msgs = [T.StepCommand(0, T.Rank(0), (r("a"), r("b"))),
             T.StepCommand(1, T.Rank(0), (r("b"),), released=(T.RequestId("a"),)),
@@ -158,8 +168,8 @@ class Tok(int):
     T.TableDiff(T.RequestId("r"), 1, 2, -1),  # not a top-level message
     {"any": ("picklable", b"object")},
 ])
-def test_values_the_layout_cannot_carry_ride_the_fallback(msg):
-    enc, dec = StepCodec(), StepCodec()
+def test_values_the_layout_cannot_carry_ride_the_fallback(native, msg):
+    enc, dec = StepCodec(native=native), StepCodec(native=native)
     ok = T.StepCommand(0, T.Rank(0), (T.BatchRow(T.RequestId("r"), 1, 2, (9,)),))
     assert _same(dec.loads(enc.dumps(ok)), ok)
     data = enc.dumps(msg)
@@ -171,9 +181,9 @@ def test_values_the_layout_cannot_carry_ride_the_fallback(msg):
     assert _same(dec.loads(enc.dumps(nxt)), nxt)
 
 
-def test_reports_of_any_shape_are_exact():
+def test_reports_of_any_shape_are_exact(native):
     """Reports are marshalled: odd shapes (lists, wrong arity, bools) come back exactly."""
-    enc, dec = StepCodec(), StepCodec()
+    enc, dec = StepCodec(native=native), StepCodec(native=native)
     for rep in [T.StepReport(1, T.Rank(0), sampled=(("r", 1, 2),)),
                 T.StepReport(1, T.Rank(0), enqueued=[1, 2], hot_hits=True),
                 T.StepReport(1, T.Rank(0), hits_by_request=(("r", 2**70, -1),))]:
@@ -182,8 +192,8 @@ def test_reports_of_any_shape_are_exact():
         assert _same(dec.loads(data), rep)
 
 
-def test_failed_decode_refuses_later_messages():
-    enc, dec = StepCodec(), StepCodec()
+def test_failed_decode_refuses_later_messages(native):
+    enc, dec = StepCodec(native=native), StepCodec(native=native)
     good = enc.dumps(T.StepCommand(0, T.Rank(0), (T.BatchRow(T.RequestId("r"), 1, 2),)))
     with pytest.raises(ChannelError):
         dec.loads(good[:-4])  # truncated
@@ -192,11 +202,11 @@ def test_failed_decode_refuses_later_messages():
     assert pickle.loads(pickle.dumps(ChannelError("x", "c"))).channel == "c"
 
 
-def test_fresh_codecs_share_no_state():
-    a = StepCodec(max_ids=16)
+def test_fresh_codecs_share_no_state(native):
+    a = StepCodec(max_ids=16, native=native)
     b = a.fresh()
     assert b.max_ids == 16 and b is not a
     a.dumps(T.StepCommand(0, T.Rank(0), (T.BatchRow(T.RequestId("r"), 1, 2),)))
     assert a._ids and not b._ids
     with pytest.raises(ValueError):
-        StepCodec(max_ids=0)
+        StepCodec(max_ids=0, native=native)
