@@ -17,7 +17,8 @@ from hisparse_ray.actors.landing import (
 from hisparse_ray.actors.spec import PrefillSpec
 from hisparse_ray.errors import CapacityError, StateError
 from hisparse_ray.transfer import (
-    MemKind, NixlTransferEngine, TransferEngine, WriteSegment, write_all_with_retry,
+    MemKind, NixlTransferEngine, PreparedWrite, TransferEngine, WriteSegment, discard_prepared,
+    prepare_writes, write_all_with_retry,
 )
 
 SEND_REGION = "send"
@@ -123,12 +124,28 @@ class PrefillWorker:
                          page_size: int) -> tuple[int, float, float, float]:
         """``prefill`` (keys by NIXL only) and at once ``push(order)``, in one call
         (``ReplicaSpec.landing_push_with_prefill``): the WRITE starts as soon as the KV exists,
-        without a round trip through the lander. Returns (bytes moved, WRITE seconds, the
-        ``perf_counter`` stamp when prefill ended, prefill seconds)."""
+        without a round trip through the lander. Its segments and NIXL transfers are built
+        BEFORE the prefill (a WRITE reads its bytes only once posted), so after the prefill only
+        the posts remain. Returns (bytes moved, WRITE seconds, the ``perf_counter`` stamp when
+        prefill ended, prefill seconds)."""
         self.stats["pushes_with_prefill"] += 1
-        result = self.prefill(request_id, tokens, keys_inline=False)
-        t_done = time.perf_counter()
-        moved, seconds = self.push(order, page_size)
+        order = unpack(order)
+        prepared: list[list[PreparedWrite]] = []
+        if 0 < len(tokens) <= self.spec.max_prompt_tokens:  # else prefill raises, typed
+            jobs, moved = self._plan(order, page_size, len(tokens))
+            try:
+                prepared = [prepare_writes(self.engine, phase) for phase in self._phases(jobs)]
+            except BaseException:
+                for phase in prepared:
+                    discard_prepared(self.engine, phase)
+                raise
+        try:
+            result = self.prefill(request_id, tokens, keys_inline=False)
+            t_done = time.perf_counter()
+            moved, seconds = self._push(order, page_size, prepared or None)
+        finally:
+            for phase in prepared:  # the ones a failure left unposted
+                discard_prepared(self.engine, phase)
         return moved, seconds, t_done, result.prefill_s
 
     def _synthetic(self, T: int, tokens: list[int]) -> torch.Tensor:
@@ -152,32 +169,58 @@ class PrefillWorker:
         request may run in any order; ``drop`` frees the send buffers.
         TransferError / TransferTimeoutError after the last attempt, tagged with the request id.
         ``order`` may come as :func:`~hisparse_ray.actors.landing.pack`'s bytes."""
+        return self._push(unpack(order), page_size, None)
+
+    def _plan(self, order: LandingOrder, page_size: int, T: int
+              ) -> tuple[list[tuple[list[WriteSegment], bytes]], int]:
+        """The order's WRITE jobs (segments, notification) for ``T`` held positions, and bytes."""
+        jobs, moved = [], 0
+        for dest in order.dests:
+            groups = write_groups(dest, SEND_REGION, self.page_bytes_stride,
+                                  self.row_bytes, page_size, T, key_local=KEYS_REGION,
+                                  key_layer_stride=self.key_bytes_stride,
+                                  key_row_bytes=self.key_row_bytes)
+            if len(groups) > 1 and not all(groups):
+                raise StateError(f"landing WRITE to rank {dest.rank} split in "
+                                 f"{len(groups)} layer groups has an empty group")
+            for g, segs in enumerate(groups):
+                if segs:
+                    jobs.append((segs, group_notif(dest.notif, g, len(groups))))
+                    moved += sum(s.nbytes for s in segs)
+        return jobs, moved
+
+    def _phases(self, jobs: list[tuple[list[WriteSegment], bytes]]) -> list[list]:
+        """Every job (one per destination rank; its notification tells the rank that ALL of
+        the job's bytes arrived) in two phases: a job whose segments span memory kinds (KV rows
+        into DRAM plus keys into VRAM) is split (``split_by_memory_kind``): its leading groups
+        go in phase 1 without a notification, its last group in phase 2 with it."""
+        kind = lambda name: self.engine.region(name).kind  # noqa: E731
+        split = [(split_by_memory_kind(segs, kind), notif) for segs, notif in jobs]
+        return [[(g, b"") for groups, _ in split for g in groups[:-1]],
+                [(groups[-1], notif) for groups, notif in split]]
+
+    def _push(self, order: LandingOrder, page_size: int,
+              prepared: list[list[PreparedWrite]] | None) -> tuple[int, float]:
+        """``push`` of an unpacked order; ``prepared``: its two phases' WRITEs, already built
+        (``prefill_and_push``) for exactly the held positions."""
         t_enter = time.perf_counter()
         self.stats["pushes_started"] += 1
-        order = unpack(order)
         with self._lock:
             if self._held is None or self._held[0] != order.request_id:
                 raise StateError(f"request {order.request_id!r} is not held by prefill worker "
                                  f"{self.spec.name!r} (holds {self._held})")
             T = self._held[1]
             t0 = time.perf_counter()
-            moved = 0
             try:
-                jobs = []
-                for dest in order.dests:
-                    groups = write_groups(dest, SEND_REGION, self.page_bytes_stride,
-                                          self.row_bytes, page_size, T, key_local=KEYS_REGION,
-                                          key_layer_stride=self.key_bytes_stride,
-                                          key_row_bytes=self.key_row_bytes)
-                    if len(groups) > 1 and not all(groups):
-                        raise StateError(f"landing WRITE to rank {dest.rank} split in "
-                                         f"{len(groups)} layer groups has an empty group")
-                    for g, segs in enumerate(groups):
-                        if segs:
-                            jobs.append((segs, group_notif(dest.notif, g, len(groups))))
-                            moved += sum(s.nbytes for s in segs)
+                if prepared is None:
+                    jobs, moved = self._plan(order, page_size, T)
+                    phases = self._phases(jobs)
+                else:
+                    phases = prepared
+                    moved = sum(s.nbytes for phase in prepared for p in phase
+                                for s in p.segments)
                 t_planned = time.perf_counter()
-                self._write_all(jobs, order)
+                self._write_all(phases, order)
             except Exception:
                 self.stats["failed_pushes"] += 1
                 raise
@@ -189,22 +232,16 @@ class PrefillWorker:
             self.stats["push_s"] += dt
             return moved, dt
 
-    def _write_all(self, jobs: list[tuple[list[WriteSegment], bytes]], order: LandingOrder
-                   ) -> None:
-        """WRITE every job (one per destination rank; its notification tells the rank that ALL of
-        the job's bytes arrived). A job whose segments span memory kinds (KV rows into DRAM plus
-        keys into VRAM) is split (``split_by_memory_kind``): its leading groups are written and
-        DONE first without a notification, then its last group carries the notification. In each
-        phase every WRITE is posted before any is awaited, so the ranks' WRITEs overlap
-        (``write_all_with_retry``: failed ones are re-posted up to ``order.attempts`` times)."""
-        kind = lambda name: self.engine.region(name).kind  # noqa: E731
-        split = [(split_by_memory_kind(segs, kind), notif) for segs, notif in jobs]
+    def _write_all(self, phases: list[list], order: LandingOrder) -> None:
+        """WRITE both phases (``_phases``), the second after the first is DONE, so a
+        notification always means all of a rank's bytes landed. In each phase every WRITE is
+        posted before any is awaited, so the ranks' WRITEs overlap (``write_all_with_retry``:
+        failed ones are re-posted up to ``order.attempts`` times)."""
         retry = dict(attempts=order.attempts, timeout_s=order.timeout_s,
                      request_id=order.request_id)
-        write_all_with_retry(self.engine, [(g, b"") for groups, _ in split for g in groups[:-1]],
-                             **retry)
-        write_all_with_retry(self.engine, [(groups[-1], notif) for groups, notif in split],
-                             **retry)
+        for phase in phases:
+            if phase:
+                write_all_with_retry(self.engine, phase, **retry)
 
     def drop(self, request_id: str) -> None:
         with self._lock:

@@ -183,6 +183,49 @@ class TransferEngine(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(slots=True)
+class PreparedWrite:
+    """A WRITE whose descriptors an engine already built (``prepare_writes``), to be posted later
+    without that cost: before the source bytes exist, say, since a WRITE reads them only once
+    posted. ``handle``: the engine's prepared transfer (None: nothing prepared, or consumed)."""
+
+    segments: Sequence[WriteSegment]
+    notif: bytes
+    handle: Any = None
+
+
+def prepare_writes(engine: TransferEngine, jobs: Sequence[tuple[Sequence[WriteSegment], bytes]]
+                   ) -> list[PreparedWrite]:
+    """Build every job's WRITE now where the engine can (``prepare_write``; else nothing is
+    prepared and ``write_all_with_retry`` posts as usual). On an error, releases what it built.
+    Release unposted ones with ``discard_prepared``."""
+    prep = getattr(engine, "prepare_write", None)
+    out: list[PreparedWrite] = []
+    try:
+        for segments, notif in jobs:
+            out.append(prep(segments, notif) if prep is not None
+                       else PreparedWrite(segments, notif))
+    except BaseException:
+        discard_prepared(engine, out)
+        raise
+    return out
+
+
+def discard_prepared(engine: TransferEngine, prepared: Sequence[PreparedWrite]) -> None:
+    """Release prepared WRITEs that were never posted (idempotent)."""
+    for p in prepared:
+        if p.handle is not None:
+            engine.discard_prepared(p)
+
+
+def _post(engine: TransferEngine, job: Any) -> int:
+    if isinstance(job, PreparedWrite):
+        if job.handle is not None:
+            return engine.post_prepared(job)
+        return engine.post_write(job.segments, job.notif)
+    return engine.post_write(job[0], job[1])
+
+
 def wait(engine: TransferEngine, xfer_id: int, timeout_s: float, *, poll_sleep_s: float = 1e-4
          ) -> None:
     """Poll ``xfer_id`` until DONE; ``TransferError`` on failure, ``TransferTimeoutError`` after
@@ -206,13 +249,15 @@ def write_with_retry(engine: TransferEngine, segments: Sequence[WriteSegment],
 
 
 def write_all_with_retry(engine: TransferEngine,
-                         jobs: Sequence[tuple[Sequence[WriteSegment], bytes]], *,
+                         jobs: Sequence[tuple[Sequence[WriteSegment], bytes] | PreparedWrite], *,
                          attempts: int = 3, timeout_s: float = 10.0,
                          request_id: Any = None) -> None:
     """Post every WRITE of ``jobs`` (``(segments, notification)`` pairs) before waiting for any,
     so they overlap; wait for each (``timeout_s``) and release it; re-post the ones that failed
     or timed out, together, until each was posted ``attempts`` times in total.
 
+    A job may be a ``PreparedWrite``: its first post uses the prepared transfer (consumed even
+    if that post fails); re-posts build a new one.
     A WRITE is idempotent (same bytes to the same place), so re-posting after a failure is safe;
     the notification may then arrive more than once and receivers must tolerate duplicates.
     Raises the first error of the last round (``TransferTimeoutError`` if that WRITE timed out,
@@ -225,7 +270,7 @@ def write_all_with_retry(engine: TransferEngine,
         posted, failed = [], []
         for job in todo:
             try:
-                posted.append((job, engine.post_write(job[0], job[1])))
+                posted.append((job, _post(engine, job)))
             except TransferError as err:
                 failed.append((job, err))
         for job, xfer_id in posted:

@@ -20,7 +20,7 @@ import numpy as np
 
 from hisparse_ray.errors import TransferError
 from hisparse_ray.transfer.base import (
-    MemKind, RegionDesc, WriteSegment, XferState, coalesce, registered,
+    MemKind, PreparedWrite, RegionDesc, WriteSegment, XferState, coalesce, registered,
 )
 
 
@@ -159,6 +159,12 @@ class NixlTransferEngine:
         """Post one WRITE of all ``segments`` (one peer, one local kind, one remote kind);
         ``notif`` reaches the peer once the whole WRITE has landed. Contiguous runs are merged
         into one descriptor (``coalesce``). Returns a transfer id."""
+        return self.post_prepared(self.prepare_write(segments, notif))
+
+    def prepare_write(self, segments: Sequence[WriteSegment], notif: bytes = b"") -> PreparedWrite:
+        """Build the WRITE's descriptor lists and NIXL transfer handle without posting it (the
+        bytes are read only when posted). ``post_prepared`` posts it, ``discard_prepared``
+        releases it."""
         local_arr, remote_arr, peer, lkind, rkind = self._descs(segments)
         with self._lock:
             if self._closed:
@@ -169,16 +175,34 @@ class NixlTransferEngine:
                 handle = self._agent.initialize_xfer("WRITE", ldesc, rdesc, peer, notif)
             except Exception as err:
                 raise TransferError(f"WRITE to {peer!r} rejected: {err!r}") from err
+        return PreparedWrite(segments, notif, handle)
+
+    def post_prepared(self, prepared: PreparedWrite) -> int:
+        """Post a prepared WRITE (the handle is consumed: released here if the post fails)."""
+        handle, prepared.handle = prepared.handle, None
+        if handle is None:
+            raise TransferError("prepared WRITE already posted or discarded")
+        with self._lock:
+            if self._closed:
+                raise TransferError(f"engine {self.name!r} is closed")
             try:
-                state = self._agent.transfer(handle, notif)
+                state = self._agent.transfer(handle, prepared.notif)
             except Exception as err:
                 state = f"ERR ({err!r})"
             if state.startswith("ERR"):
                 self._release_handle(handle)
-                raise TransferError(f"WRITE to {peer!r} failed to post: {state}")
+                raise TransferError(f"WRITE to {prepared.segments[0].remote.agent!r} failed to "
+                                    f"post: {state}")
             xfer_id = next(self._ids)
             self._xfers[xfer_id] = handle
         return xfer_id
+
+    def discard_prepared(self, prepared: PreparedWrite) -> None:
+        handle, prepared.handle = prepared.handle, None
+        if handle is not None:
+            with self._lock:
+                if not self._closed:
+                    self._release_handle(handle)
 
     def _descs(self, segments: Sequence[WriteSegment]):
         if not segments:

@@ -11,7 +11,10 @@ import torch
 
 from hisparse_ray.channel import pid_alive
 from hisparse_ray.errors import TransferError
-from hisparse_ray.transfer import NixlTransferEngine, RegionDesc, WriteSegment, write_with_retry
+from hisparse_ray.transfer import (
+    NixlTransferEngine, RegionDesc, WriteSegment, discard_prepared, prepare_writes,
+    write_all_with_retry, write_with_retry,
+)
 from tests.transfer import _nixl_peers as P
 
 pytestmark = pytest.mark.nixl
@@ -104,6 +107,41 @@ def test_spawned_processes_write_with_retry():
         write_with_retry(engine, segs, b"landed", attempts=2, timeout_s=20)
         got, data = res_q.get(timeout=60)
         assert got == [("spawned-source", b"landed")]
+        assert data == P.expected_after(writes, src, REGION).numpy().tobytes()
+    finally:
+        engine.close()
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def test_a_prepared_write_reads_its_bytes_when_posted():
+    """``prefill_and_push`` builds its WRITEs before the prefill wrote the send buffer: the
+    bytes that land are the ones there at the post. A discarded or consumed preparation cannot
+    be posted again."""
+    ctx = mp.get_context("spawn")
+    md_q, res_q = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=P.spawned_target, args=(md_q, res_q, REGION, 1), daemon=True)
+    child.start()
+    engine = NixlTransferEngine("prepared-source")
+    try:
+        src = torch.zeros(REGION, dtype=torch.uint8)
+        engine.register("kv", src)
+        md, dst_desc = md_q.get(timeout=60)
+        engine.add_peer(md)
+        writes = P.random_pages(seed=5, n=64, region_bytes=REGION, page=PAGE)
+        segs = [WriteSegment("kv", lo, n, dst_desc, ro) for lo, ro, n in writes]
+        spare = prepare_writes(engine, [(segs[:1], b"")])
+        discard_prepared(engine, spare)
+        assert spare[0].handle is None
+        with pytest.raises(TransferError, match="already posted or discarded"):
+            engine.post_prepared(spare[0])
+        prepared = prepare_writes(engine, [(segs, b"landed")])
+        assert prepared[0].handle is not None
+        src.copy_(P.pattern(REGION, 11))  # "the prefill": after the WRITE was built
+        write_all_with_retry(engine, prepared, attempts=2, timeout_s=20)
+        assert prepared[0].handle is None  # consumed by its post
+        got, data = res_q.get(timeout=60)
+        assert got == [("prepared-source", b"landed")]
         assert data == P.expected_after(writes, src, REGION).numpy().tobytes()
     finally:
         engine.close()
