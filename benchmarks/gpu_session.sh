@@ -12,6 +12,7 @@
 #       (fill it once here: pip download -q py-spy --no-deps -d .device-wheels/pyspy)
 #   or, 8K / 16K-token landings (synthetic prefill) with their phases:  ... landing-phases
 #   or, 16K landings under the default push-with-prefill "auto":  ... landing-auto
+#   or, 16K landings with push-with-prefill never / always / auto:  ... landing-pwp
 #   or, the step channel's C hot path vs Python (micro and actor control plane):  ... wire
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
@@ -23,7 +24,7 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|wire|landing-auto)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|wire|landing-auto|landing-pwp)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -69,6 +70,14 @@ case "${1:-run}" in
           --new-tokens 64 --profile-s 4 --py-spy /tmp/pyspy/bin/py-spy --out "$OUT/tp_profile.json" \
           > "$OUT/tp_profile.log" 2>&1
         grep -E "^ +[0-9. ]+%|rank [01]:|^tp|^layout|up in|py-spy|Error" "$OUT/tp_profile.log" | cut -c1-120 | tail -75
+        exit 0 ;;
+      landing-pwp)  # ~2.5 min: 16K landings without / with the push in the prefill call, and "auto"
+        land landing_never 150 --tokens 16384 --staging-blocks 256 --repeats 4 --synthetic-prefill
+        land landing_always 150 --tokens 16384 --staging-blocks 256 --repeats 4 --synthetic-prefill \
+          --push-with-prefill always
+        land landing_auto 150 --tokens 16384 --staging-blocks 512 --repeats 4 --synthetic-prefill \
+          --push-with-prefill auto
+        grep -h -E "pushed inside" "$OUT"/landing_*.log
         exit 0 ;;
       landing-auto)  # ~1.5 min: 16K landings, the default push_with_prefill "auto", a pool of 2 prompts
         land landing_auto 200 --tokens 16384 --staging-blocks 512 --repeats 4 --synthetic-prefill \
