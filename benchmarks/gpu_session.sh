@@ -13,6 +13,7 @@
 #   or, 8K / 16K-token landings (synthetic prefill) with their phases:  ... landing-phases
 #   or, 16K landings under the default push-with-prefill "auto":  ... landing-auto
 #   or, 16K landings with push-with-prefill never / always / auto:  ... landing-pwp
+#   or, every gpu test and the control plane once more:  ... final
 #   or, the step channel's C hot path vs Python (micro and actor control plane):  ... wire
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
@@ -24,7 +25,7 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|wire|landing-auto|landing-pwp)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|wire|landing-auto|landing-pwp|final)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -70,6 +71,13 @@ case "${1:-run}" in
           --new-tokens 64 --profile-s 4 --py-spy /tmp/pyspy/bin/py-spy --out "$OUT/tp_profile.json" \
           > "$OUT/tp_profile.log" 2>&1
         grep -E "^ +[0-9. ]+%|rank [01]:|^tp|^layout|up in|py-spy|Error" "$OUT/tp_profile.log" | cut -c1-120 | tail -75
+        exit 0 ;;
+      final)  # ~8 min: every gpu test, then the control plane once more (C hot path)
+        timeout 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" \
+          | grep -E "passed|failed|FAILED|Error" | tail -12
+        timeout 150 python3 benchmarks/bench_control_plane.py --only control --probes 1000 \
+          --out "$OUT/control_plane_final.json" > "$OUT/control_plane_final.log" 2>&1
+        grep -E "$keep|hot path|^stages" "$OUT/control_plane_final.log" | tail -9
         exit 0 ;;
       landing-pwp)  # ~2.5 min: 16K landings without / with the push in the prefill call, and "auto"
         land landing_never 150 --tokens 16384 --staging-blocks 256 --repeats 4 --synthetic-prefill
