@@ -325,14 +325,14 @@ static PyObject *encode_command(PyObject *self, PyObject *args) {
     ib_init(&hots);
     PyObject *updates = PyList_New(0), *res = NULL;
     int64_t *ridx = NULL;
+    int r = 1;
     if (updates == NULL) goto fail;
     ridx = PyMem_Malloc((nb ? nb : 1) * sizeof(int64_t));
     if (ridx == NULL) { PyErr_NoMemory(); goto fail; }
-    int r;
     /* request ids of the rows; all must be known */
     for (Py_ssize_t i = 0; i < nb; i++) {
         PyObject *row = PyTuple_GET_ITEM(batch, i), *rid = slot_get(row, ROW, 0);
-        if (rid == NULL || (r = lookup_id(ids, rid, &ridx[i])) != 0) goto miss_or_fail;
+        if ((r = rid == NULL ? 1 : lookup_id(ids, rid, &ridx[i])) != 0) goto miss_or_fail;
         if (ib_push(&v, ridx[i]) < 0) goto fail;
     }
     for (Py_ssize_t i = 0; i < nb; i++) {
@@ -406,7 +406,7 @@ static PyObject *encode_command(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < nd; i++) {
         PyObject *d = PyTuple_GET_ITEM(diffs, i), *rid = slot_get(d, DIFF, 0);
         int64_t x;
-        if (rid == NULL || (r = lookup_id(ids, rid, &x)) != 0) goto miss_or_fail;
+        if ((r = rid == NULL ? 1 : lookup_id(ids, rid, &x)) != 0) goto miss_or_fail;
         if (ib_push(&v, x) < 0) goto fail;
     }
     for (Py_ssize_t i = 0; i < nd; i++) {
@@ -439,7 +439,7 @@ static PyObject *encode_command(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < nk; i++) {
         PyObject *b = PyTuple_GET_ITEM(backups, i), *rid = slot_get(b, BACKUP, 1);
         int64_t x;
-        if (rid == NULL || (r = lookup_id(ids, rid, &x)) != 0) goto miss_or_fail;
+        if ((r = rid == NULL ? 1 : lookup_id(ids, rid, &x)) != 0) goto miss_or_fail;
         if (ib_push(&v, x) < 0) goto fail;
     }
     for (Py_ssize_t i = 0; i < nk; i++) {
@@ -487,6 +487,10 @@ miss_or_fail:
         res = Py_None;
     }
 fail:
+    if (res == NULL && !PyErr_Occurred()) { /* defensive: never NULL without an exception */
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
     if (res == NULL && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_MemoryError)) {
         /* a value the layout cannot carry (overflow, no __index__): let Python decide */
         PyErr_Clear();

@@ -3,6 +3,7 @@ processes; byte-exact landing, notifications, and failures that raise instead of
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 
@@ -91,43 +92,43 @@ def test_deregistered_region_then_dead_peer(actors):
     assert ok <= 20  # NIXL notices the disconnect within about a second
 
 
-def test_spawned_processes_write_with_retry():
+@contextlib.contextmanager
+def _spawned_pair(name: str, src: torch.Tensor):
+    """An engine here with ``src`` registered as "kv", and a spawned target process (one
+    notification expected) known as its peer: yields (engine, target's region, result queue)."""
     ctx = mp.get_context("spawn")
     md_q, res_q = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=P.spawned_target, args=(md_q, res_q, REGION, 1), daemon=True)
     child.start()
-    engine = NixlTransferEngine("spawned-source")
+    engine = NixlTransferEngine(name)
     try:
-        src = P.pattern(REGION, 9)
         engine.register("kv", src)
         md, dst_desc = md_q.get(timeout=60)
         assert engine.add_peer(md) == "spawned-target"
-        writes = P.random_pages(seed=4, n=64, region_bytes=REGION, page=PAGE)
-        segs = [WriteSegment("kv", lo, n, dst_desc, ro) for lo, ro, n in writes]
-        write_with_retry(engine, segs, b"landed", attempts=2, timeout_s=20)
-        got, data = res_q.get(timeout=60)
-        assert got == [("spawned-source", b"landed")]
-        assert data == P.expected_after(writes, src, REGION).numpy().tobytes()
+        yield engine, dst_desc, res_q
     finally:
         engine.close()
         child.join(30)
     assert child.exitcode == 0
 
 
+def test_spawned_processes_write_with_retry():
+    src = P.pattern(REGION, 9)
+    with _spawned_pair("spawned-source", src) as (engine, dst_desc, res_q):
+        writes = P.random_pages(seed=4, n=64, region_bytes=REGION, page=PAGE)
+        segs = [WriteSegment("kv", lo, n, dst_desc, ro) for lo, ro, n in writes]
+        write_with_retry(engine, segs, b"landed", attempts=2, timeout_s=20)
+        got, data = res_q.get(timeout=60)
+        assert got == [("spawned-source", b"landed")]
+        assert data == P.expected_after(writes, src, REGION).numpy().tobytes()
+
+
 def test_a_prepared_write_reads_its_bytes_when_posted():
     """``prefill_and_push`` builds its WRITEs before the prefill wrote the send buffer: the
     bytes that land are the ones there at the post. A discarded or consumed preparation cannot
     be posted again."""
-    ctx = mp.get_context("spawn")
-    md_q, res_q = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=P.spawned_target, args=(md_q, res_q, REGION, 1), daemon=True)
-    child.start()
-    engine = NixlTransferEngine("prepared-source")
-    try:
-        src = torch.zeros(REGION, dtype=torch.uint8)
-        engine.register("kv", src)
-        md, dst_desc = md_q.get(timeout=60)
-        engine.add_peer(md)
+    src = torch.zeros(REGION, dtype=torch.uint8)
+    with _spawned_pair("prepared-source", src) as (engine, dst_desc, res_q):
         writes = P.random_pages(seed=5, n=64, region_bytes=REGION, page=PAGE)
         segs = [WriteSegment("kv", lo, n, dst_desc, ro) for lo, ro, n in writes]
         spare = prepare_writes(engine, [(segs[:1], b"")])
@@ -143,10 +144,6 @@ def test_a_prepared_write_reads_its_bytes_when_posted():
         got, data = res_q.get(timeout=60)
         assert got == [("prepared-source", b"landed")]
         assert data == P.expected_after(writes, src, REGION).numpy().tobytes()
-    finally:
-        engine.close()
-        child.join(30)
-    assert child.exitcode == 0
 
 
 def test_local_misuse_raises_transfer_error():
