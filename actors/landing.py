@@ -380,6 +380,21 @@ def chunks(items: Sequence, size: int) -> list[tuple]:
     return [tuple(items[i:i + size]) for i in range(0, len(items), size)]
 
 
+def _first_run(blocks, n: int) -> int | None:
+    """Lowest start of a run of ``n`` consecutive block ids in ``blocks`` (any order)."""
+    if len(blocks) < n:
+        return None
+    start, length = -2, 0
+    for b in sorted(blocks):
+        if b == start + length:
+            length += 1
+        else:
+            start, length = b, 1
+        if length == n:
+            return start
+    return None
+
+
 def lease_run(pool: "StagingPool", n: int, inflight: collections.deque,
               finish: Callable[[Any], None]) -> tuple[int, ...]:
     """A contiguous run of ``n`` staging blocks for a lander that may hold chunks in flight
@@ -433,9 +448,10 @@ class StagingPool:
         return self._take(n, timeout, pick, f"no run of {n} staging blocks")
 
     def try_acquire_run(self, n: int, spare: int) -> tuple[int, ...] | None:
-        """``n`` contiguous blocks now, or None: only when nobody waits for the pool and, after
-        this lease, at least ``spare`` blocks stay free. Never blocks. What the lander uses to
-        hold a run through a prefill only while that cannot delay another landing."""
+        """``n`` contiguous blocks now (first fit), or None: only when nobody waits for the pool
+        and, after this lease, a contiguous run of ``spare`` blocks stays free. Never blocks.
+        What the lander uses to hold a run through a prefill only while another landing of
+        ``spare`` blocks can still lease at once."""
         if not 1 <= n <= self.capacity:
             raise StateError(f"staging request of {n} blocks; pool holds {self.capacity}")
         with self._cond:
@@ -445,7 +461,11 @@ class StagingPool:
             if start is None:
                 return None
             got = tuple(range(start, start + n))
-            self._free = collections.deque(b for b in self._free if b not in set(got))
+            taken = set(got)
+            rest = [b for b in self._free if b not in taken]
+            if spare and _first_run(rest, spare) is None:
+                return None
+            self._free = collections.deque(rest)
             self._leased.update(got)
             return got
 
@@ -473,17 +493,7 @@ class StagingPool:
 
     def _first_fit(self, n: int) -> int | None:
         """Lowest start of a run of ``n`` free blocks (caller holds the lock)."""
-        if len(self._free) < n:
-            return None
-        start, length = -2, 0
-        for b in sorted(self._free):
-            if b == start + length:
-                length += 1
-            else:
-                start, length = b, 1
-            if length == n:
-                return start
-        return None
+        return _first_run(self._free, n)
 
     def release(self, blocks: Sequence[int]) -> None:
         with self._cond:

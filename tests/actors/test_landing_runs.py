@@ -239,15 +239,17 @@ class RunMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, CAP), spare=st.integers(0, CAP))
     def try_acquire_run(self, n, spare):
-        """The lander's "auto" push-with-prefill lease: the lowest run, only if ``spare`` blocks
-        stay free after it; never blocks."""
+        """The lander's "auto" push-with-prefill lease: the lowest run, only if a run of
+        ``spare`` blocks stays free after it; never blocks."""
         want = self._lowest_run(n)
-        free = self.CAP - sum(map(len, self.held))
+        if want is not None and spare:
+            self.held.append(want)  # what would be left
+            if self._lowest_run(spare) is None:
+                want = None
+            self.held.pop()
         got = self.pool.try_acquire_run(n, spare)
-        if want is None or free - n < spare:
-            assert got is None
-        else:
-            assert got == want
+        assert got == want
+        if got is not None:
             self.held.append(got)
 
     @precondition(lambda self: self.held)
