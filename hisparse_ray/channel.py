@@ -129,6 +129,10 @@ class ShmChannel:
     store and their load, so at least one sees the other (Dekker); the timed slice bounds the
     cost of anything missed anyway.
 
+    Ring ops: ``send``'s frame write + publish + wake and ``recv``'s frame read + free + wake
+    run in C (``hisparse_ray._wire``, where built: the same frames and the same protocol, so a C
+    end and a Python end interoperate); waiting stays in Python.
+
     Codecs: the channel uses ``codec.fresh()`` when the codec has one (a stateful codec keeps one
     state per direction), and calls ``codec.reset()`` when an encoded message is not delivered
     (too large, timeout, peer closed or lost).
@@ -255,7 +259,14 @@ class ShmChannel:
         payload = self._codec.dumps(obj)
         ring = self._ring
         if ring is not None and len(payload) <= self.max_message_bytes:
-            pos = ring.ring_send(self._mm, self.capacity, self._pos, self._seq, payload, self._futex)
+            try:
+                pos = ring.ring_send(self._mm, self.capacity, self._pos, self._seq, payload,
+                                     self._futex)
+            except BaseException:  # not delivered (the mapping is gone): restart the codec
+                reset = getattr(self._codec, "reset", None)
+                if reset is not None:
+                    reset()
+                raise
             if pos is not None:  # else the ring is full: wait below
                 self._pos = pos
                 self._seq += 1
