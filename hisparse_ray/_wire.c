@@ -294,6 +294,33 @@ static int lookup_id(PyObject *ids, PyObject *rid, int64_t *out) {
     return as64(v, out) < 0 ? -1 : 0;
 }
 
+/* The request-id index of field f of every object of class c in tuple t (f < 0: the items are
+ * the ids themselves), appended to v: 0 ok, 1 an id unknown or a slot unset, -1 error. */
+static int push_ids(ibuf *v, PyObject *ids, PyObject *t, int c, int f) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
+        PyObject *item = PyTuple_GET_ITEM(t, i), *rid = f < 0 ? item : slot_get(item, c, f);
+        int64_t x;
+        int r = rid == NULL ? 1 : lookup_id(ids, rid, &x);
+        if (r != 0) return r;
+        if (ib_push(v, x) < 0) return -1;
+    }
+    return 0;
+}
+
+/* Fields order[0..n) of every object of class c in tuple t, as int64s appended to v, object by
+ * object: 0 ok, 1 a slot unset, -1 error (not an int within int64). */
+static int push_fields(ibuf *v, PyObject *t, int c, const int *order, int n) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
+        PyObject *item = PyTuple_GET_ITEM(t, i);
+        for (int f = 0; f < n; f++) {
+            PyObject *o = slot_get(item, c, order[f]);
+            if (o == NULL) return 1;
+            if (ib_push_obj(v, o) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
 /* encode_command(cmd, ids, hot_out) -> (head, rest, out, hot_updates) or None.
  * StepCodec._dump_command for a command whose every request id is already in ``ids`` (no id
  * to define; the table is not dropped): head = (flags, nb, nd, nt, nk, nr, 0, nhot), rest = the
@@ -329,18 +356,11 @@ static PyObject *encode_command(PyObject *self, PyObject *args) {
     if (updates == NULL) goto fail;
     ridx = PyMem_Malloc((nb ? nb : 1) * sizeof(int64_t));
     if (ridx == NULL) { PyErr_NoMemory(); goto fail; }
-    /* request ids of the rows; all must be known */
-    for (Py_ssize_t i = 0; i < nb; i++) {
-        PyObject *row = PyTuple_GET_ITEM(batch, i), *rid = slot_get(row, ROW, 0);
-        if ((r = rid == NULL ? 1 : lookup_id(ids, rid, &ridx[i])) != 0) goto miss_or_fail;
-        if (ib_push(&v, ridx[i]) < 0) goto fail;
-    }
-    for (Py_ssize_t i = 0; i < nb; i++) {
-        PyObject *row = PyTuple_GET_ITEM(batch, i);
-        PyObject *a = slot_get(row, ROW, 1), *b = slot_get(row, ROW, 2);
-        if (!a || !b) { r = 1; goto miss_or_fail; }
-        if (ib_push_obj(&v, a) < 0 || ib_push_obj(&v, b) < 0) goto fail;
-    }
+    /* request ids of the rows (all must be known), then (seq_len, input_token) per row */
+    static const int row_f[2] = {1, 2};
+    if ((r = push_ids(&v, ids, batch, ROW, 0)) != 0) goto miss_or_fail;
+    memcpy(ridx, v.v, nb * sizeof(int64_t));
+    if ((r = push_fields(&v, batch, ROW, row_f, 2)) != 0) goto miss_or_fail;
     /* hot buffers: all the same as the cached ones? */
     int all_same = 1;
     for (Py_ssize_t i = 0; i < nb && all_same; i++) {
@@ -402,31 +422,13 @@ static PyObject *encode_command(PyObject *self, PyObject *args) {
             Py_DECREF(up);
         }
     }
-    /* table diffs: ids, then (page, host, device) */
-    for (Py_ssize_t i = 0; i < nd; i++) {
-        PyObject *d = PyTuple_GET_ITEM(diffs, i), *rid = slot_get(d, DIFF, 0);
-        int64_t x;
-        if ((r = rid == NULL ? 1 : lookup_id(ids, rid, &x)) != 0) goto miss_or_fail;
-        if (ib_push(&v, x) < 0) goto fail;
-    }
-    for (Py_ssize_t i = 0; i < nd; i++) {
-        PyObject *d = PyTuple_GET_ITEM(diffs, i);
-        for (int f = 1; f < 4; f++) {
-            PyObject *o = slot_get(d, DIFF, f);
-            if (o == NULL) { r = 1; goto miss_or_fail; }
-            if (ib_push_obj(&v, o) < 0) goto fail;
-        }
-    }
-    /* transfers: (id, device, host), then kind codes */
-    for (Py_ssize_t i = 0; i < nt; i++) {
-        PyObject *t = PyTuple_GET_ITEM(xfers, i);
-        static const int order[3] = {0, 2, 3};
-        for (int f = 0; f < 3; f++) {
-            PyObject *o = slot_get(t, XFER, order[f]);
-            if (o == NULL) { r = 1; goto miss_or_fail; }
-            if (ib_push_obj(&v, o) < 0) goto fail;
-        }
-    }
+    /* table diffs: ids, then (page, host, device); transfers: (id, device, host), then kind
+     * codes; backups: ids, then (id, position, host, offset); released ids */
+    static const int diff_f[3] = {1, 2, 3}, xfer_f[3] = {0, 2, 3}, backup_f[4] = {0, 2, 3, 4};
+    if ((r = push_ids(&v, ids, diffs, DIFF, 0)) != 0 ||
+        (r = push_fields(&v, diffs, DIFF, diff_f, 3)) != 0 ||
+        (r = push_fields(&v, xfers, XFER, xfer_f, 3)) != 0)
+        goto miss_or_fail;
     for (Py_ssize_t i = 0; i < nt; i++) {
         PyObject *k = slot_get(PyTuple_GET_ITEM(xfers, i), XFER, 1);
         Py_ssize_t code = -1;
@@ -435,27 +437,10 @@ static PyObject *encode_command(PyObject *self, PyObject *args) {
         if (code < 0) { r = 1; goto miss_or_fail; }
         if (ib_push(&v, code) < 0) goto fail;
     }
-    /* backups: ids, then (id, position, host, offset) */
-    for (Py_ssize_t i = 0; i < nk; i++) {
-        PyObject *b = PyTuple_GET_ITEM(backups, i), *rid = slot_get(b, BACKUP, 1);
-        int64_t x;
-        if ((r = rid == NULL ? 1 : lookup_id(ids, rid, &x)) != 0) goto miss_or_fail;
-        if (ib_push(&v, x) < 0) goto fail;
-    }
-    for (Py_ssize_t i = 0; i < nk; i++) {
-        PyObject *b = PyTuple_GET_ITEM(backups, i);
-        static const int order[4] = {0, 2, 3, 4};
-        for (int f = 0; f < 4; f++) {
-            PyObject *o = slot_get(b, BACKUP, order[f]);
-            if (o == NULL) { r = 1; goto miss_or_fail; }
-            if (ib_push_obj(&v, o) < 0) goto fail;
-        }
-    }
-    for (Py_ssize_t i = 0; i < nr; i++) {
-        int64_t x;
-        if ((r = lookup_id(ids, PyTuple_GET_ITEM(released, i), &x)) != 0) goto miss_or_fail;
-        if (ib_push(&v, x) < 0) goto fail;
-    }
+    if ((r = push_ids(&v, ids, backups, BACKUP, 1)) != 0 ||
+        (r = push_fields(&v, backups, BACKUP, backup_f, 4)) != 0 ||
+        (r = push_ids(&v, ids, released, -1, -1)) != 0)
+        goto miss_or_fail;
     Py_ssize_t nhot = hots.n, n = v.n + nhot;
     PyObject *rest = PyBytes_FromStringAndSize(NULL, n * 8);
     PyObject *out = rest ? PyBytes_FromStringAndSize(NULL, CMD_HEAD + n * 8) : NULL;
