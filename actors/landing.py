@@ -452,8 +452,7 @@ class StagingPool:
         and, after this lease, a contiguous run of ``spare`` blocks stays free. Never blocks.
         What the lander uses to hold a run through a prefill only while another landing of
         ``spare`` blocks can still lease at once."""
-        if not 1 <= n <= self.capacity:
-            raise StateError(f"staging request of {n} blocks; pool holds {self.capacity}")
+        self._check_size(n)
         with self._cond:
             if self._queue or len(self._free) - n < spare:
                 return None
@@ -461,19 +460,25 @@ class StagingPool:
             if start is None:
                 return None
             got = tuple(range(start, start + n))
-            taken = set(got)
-            rest = [b for b in self._free if b not in taken]
-            if spare and _first_run(rest, spare) is None:
+            if spare and _first_run(set(self._free).difference(got), spare) is None:
                 return None
-            self._free = collections.deque(rest)
-            self._leased.update(got)
+            self._lease(got)
             return got
+
+    def _check_size(self, n: int) -> None:
+        if not 1 <= n <= self.capacity:
+            raise StateError(f"staging request of {n} blocks; pool holds {self.capacity}")
+
+    def _lease(self, got: tuple[int, ...]) -> None:
+        """Move ``got`` from free to leased (caller holds the lock)."""
+        taken = set(got)
+        self._free = collections.deque(b for b in self._free if b not in taken)
+        self._leased.update(got)
 
     def _take(self, n: int, timeout: float | None, pick, what: str) -> tuple[int, ...]:
         """Wait (FIFO) until this caller is at the head of the queue and ``pick()`` finds blocks;
         lease them. ``pick`` runs under the lock and returns the blocks or None."""
-        if not 1 <= n <= self.capacity:
-            raise StateError(f"staging request of {n} blocks; pool holds {self.capacity}")
+        self._check_size(n)
         ticket = object()
         with self._cond:
             self._queue.append(ticket)
@@ -483,9 +488,7 @@ class StagingPool:
                 if not ok:
                     raise TimeoutError(f"{what} within {timeout} s")
                 got = pick()
-                taken = set(got)
-                self._free = collections.deque(b for b in self._free if b not in taken)
-                self._leased.update(got)
+                self._lease(got)
                 return got
             finally:
                 self._queue.remove(ticket)

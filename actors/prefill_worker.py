@@ -131,18 +131,16 @@ class PrefillWorker:
         self.stats["pushes_with_prefill"] += 1
         order = unpack(order)
         prepared: list[list[PreparedWrite]] = []
-        if 0 < len(tokens) <= self.spec.max_prompt_tokens:  # else prefill raises, typed
-            jobs, moved = self._plan(order, page_size, len(tokens))
-            try:
-                prepared = [prepare_writes(self.engine, phase) for phase in self._phases(jobs)]
-            except BaseException:
-                for phase in prepared:
-                    discard_prepared(self.engine, phase)
-                raise
+        planned = None
         try:
+            if 0 < len(tokens) <= self.spec.max_prompt_tokens:  # else prefill raises, typed
+                jobs, moved = self._plan(order, page_size, len(tokens))
+                for phase in self._phases(jobs):
+                    prepared.append(prepare_writes(self.engine, phase))
+                planned = (prepared, moved)
             result = self.prefill(request_id, tokens, keys_inline=False)
             t_done = time.perf_counter()
-            moved, seconds = self._push(order, page_size, prepared or None)
+            moved, seconds = self._push(order, page_size, planned)
         finally:
             for phase in prepared:  # the ones a failure left unposted
                 discard_prepared(self.engine, phase)
@@ -200,9 +198,9 @@ class PrefillWorker:
                 [(groups[-1], notif) for groups, notif in split]]
 
     def _push(self, order: LandingOrder, page_size: int,
-              prepared: list[list[PreparedWrite]] | None) -> tuple[int, float]:
-        """``push`` of an unpacked order; ``prepared``: its two phases' WRITEs, already built
-        (``prefill_and_push``) for exactly the held positions."""
+              planned: tuple[list[list[PreparedWrite]], int] | None) -> tuple[int, float]:
+        """``push`` of an unpacked order; ``planned``: its two phases' WRITEs, already built
+        (``prefill_and_push``) for exactly the held positions, and their bytes."""
         t_enter = time.perf_counter()
         self.stats["pushes_started"] += 1
         with self._lock:
@@ -212,13 +210,11 @@ class PrefillWorker:
             T = self._held[1]
             t0 = time.perf_counter()
             try:
-                if prepared is None:
+                if planned is None:
                     jobs, moved = self._plan(order, page_size, T)
                     phases = self._phases(jobs)
                 else:
-                    phases = prepared
-                    moved = sum(s.nbytes for phase in prepared for p in phase
-                                for s in p.segments)
+                    phases, moved = planned
                 t_planned = time.perf_counter()
                 self._write_all(phases, order)
             except Exception:
