@@ -192,9 +192,9 @@ class Lander:
     def _land_with_prefill(self, adm: Admission, prompt: list[int], path: str,
                            block: dict[int, int], part: tuple, blocks: tuple, capacity: int
                            ) -> tuple[int, float, float, str]:
-        """``ReplicaSpec.landing_push_with_prefill``, one chunk with keys by NIXL: lease the
-        staging run (``blocks``, already leased) and plan the WRITEs BEFORE prefill, then one ``prefill_and_push`` call (the
-        worker WRITEs as soon as its KV exists: no round trip through the lander in between)
+        """``ReplicaSpec.landing_push_with_prefill``, one chunk with keys by NIXL, its staging
+        run ``blocks`` leased BEFORE prefill: plan the WRITEs, then one ``prefill_and_push`` call
+        (the worker WRITEs as soon as its KV exists: no round trip through the lander in between)
         and the ranks' ``complete_landing`` calls, whose notification deadline covers the
         prefill. The run stays leased through the prefill. Seconds end to end count from the
         worker's prefill end (its ``perf_counter``, one clock per host; from another node: the
