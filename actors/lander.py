@@ -154,7 +154,7 @@ class Lander:
             # "auto": hold a run through the prefill only while another landing still fits
             run = self.staging.try_acquire_run(len(parts[0]), spare=len(parts[0])) \
                 if spec.landing_push_with_prefill == "auto" \
-                else lease_run(self.staging, len(parts[0]), collections.deque(), self._finish)
+                else self.staging.acquire_run(len(parts[0]))  # nothing in flight: may wait
             if run is not None:
                 self.pushes_with_prefill += 1
                 return self._land_with_prefill(adm, prompt, path, block, parts[0], run, capacity)
