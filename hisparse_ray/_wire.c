@@ -546,9 +546,20 @@ static PyObject *load_command(PyObject *self, PyObject *args) {
         if (off + 8 * ndef > len) goto short_msg;
         const char *meta = d + off;
         off += 8 * ndef;
-        Py_ssize_t need = 0;
-        for (Py_ssize_t i = 0; i < ndef; i++)
-            if ((Py_ssize_t)get32(meta + 4 * i) + 1 > need) need = get32(meta + 4 * i) + 1;
+        /* the encoder defines free indices first, then extends its table by one per id, so a
+         * valid message never grows the table by more than its definitions: this bounds what a
+         * corrupt index could make us allocate (the message itself pays 8 bytes per id) */
+        Py_ssize_t need = 0, limit = PyList_GET_SIZE(names) + ndef;
+        for (Py_ssize_t i = 0; i < ndef; i++) {
+            Py_ssize_t idx = (Py_ssize_t)get32(meta + 4 * i);
+            if (idx >= limit) {
+                PyErr_Format(PyExc_ValueError,
+                             "request id index %zd defined past the table (%zd ids, %zd defined)",
+                             idx, PyList_GET_SIZE(names), ndef);
+                goto out;
+            }
+            if (idx + 1 > need) need = idx + 1;
+        }
         while (PyList_GET_SIZE(names) < need)
             if (PyList_Append(names, Py_None) < 0) goto out;
         while (PyList_GET_SIZE(hot_in) < need)
@@ -558,7 +569,7 @@ static PyObject *load_command(PyObject *self, PyObject *args) {
             if (off + ln > len) goto short_msg;
             PyObject *s = PyUnicode_DecodeUTF8(d + off, ln, "surrogatepass");
             if (s == NULL) goto out;
-            PyList_SetItem(names, idx, s); /* steals */
+            PyList_SetItem(names, idx, s); /* steals; idx < need <= both sizes */
             Py_INCREF(Py_None);
             PyList_SetItem(hot_in, idx, Py_None);
             off += ln;
@@ -586,7 +597,7 @@ static PyObject *load_command(PyObject *self, PyObject *args) {
         if (has_len) {
             int64_t ln = V(p + i);
             if (ln >= 0) {
-                if (q + ln > n) goto short_msg;
+                if (ln > n - q) goto short_msg; /* not q + ln: a corrupt ln may overflow */
                 PyObject *h = int_tuple(vp + 8 * q, (Py_ssize_t)ln);
                 if (h == NULL) goto out;
                 PyList_SetItem(hot_in, ri, h);
@@ -781,6 +792,11 @@ done:
 }
 
 static PyObject *load_keyed(const char *d, Py_ssize_t len, Py_ssize_t *off, Py_ssize_t n, int w) {
+    if (n > (len - *off) / (4 + 8 * (w - 1))) { /* each entry takes at least this many bytes: */
+        PyErr_SetString(PyExc_ValueError,      /* check before allocating for a corrupt n */
+                        "report message shorter than its header says");
+        return NULL;
+    }
     PyObject *t = PyTuple_New(n);
     if (t == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {

@@ -422,6 +422,9 @@ class StepCodec:
         off += 8 * n
         names, hot = self._names, self._hot_in
         need = max(meta[:n]) + 1
+        if need > len(names) + n:  # a valid encoder extends its table by one per definition
+            raise ValueError(f"request id index {need - 1} defined past the table "
+                             f"({len(names)} ids, {n} defined)")
         if need > len(names):
             names.extend([None] * (need - len(names)))
             hot.extend([None] * (need - len(hot)))
@@ -448,6 +451,8 @@ class StepCodec:
             q = n - nhot  # hot values sit at the end
             for i, ln in zip(ridx, v[p:p + nb]):
                 if ln >= 0:
+                    if ln > n - q:
+                        raise ValueError("command message shorter than its header says")
                     hot_in[i] = v[q:q + ln]
                     q += ln
                 hots.append(hot_in[i])
