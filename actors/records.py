@@ -27,6 +27,7 @@ class RequestRecord:
     landing_data_s: float = 0.0  # data movement only: NIXL WRITEs + staging copies
     landing_path: str = ""
     abort_requested: bool = False
+    discard: bool = False  # aborted by a caller that will not collect it: drop when done
 
     @property
     def done(self) -> bool:

@@ -1,5 +1,6 @@
 """Command line ``hisparse-ray`` (ring 3): ``demo`` (the main job on the embedded default),
-``generate`` (your prompts and config) and ``smoke`` (start Ray, print the config).
+``generate`` (your prompts and config), ``serve`` (HTTP through Ray Serve) and ``smoke`` (start
+Ray, print the config).
 
 ``demo`` starts a local Ray cluster, one prefill worker and one decode replica with TP 2 on the
 tiny built-in model (CPU without a GPU), runs a handful of long-context requests whose context is
@@ -244,6 +245,48 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 1 if any(r["error"] for r in rows) else 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Serve ``generate`` over HTTP with Ray Serve until interrupted (Ctrl-C or SIGTERM)."""
+    import signal
+    import threading
+
+    import ray
+
+    try:
+        from ray import serve
+    except ImportError as err:
+        raise SystemExit(f"hisparse-ray serve needs Ray Serve: pip install "
+                         f"'hisparse-ray[serve]' ({err})") from None
+
+    from hisparse_ray.serve import build_app
+
+    options = {k: getattr(args, k) for k in (
+        "config", "tp", "model", "seed", "dtype", "page_size", "device_blocks", "device",
+        "gpus_per_rank", "max_new_tokens", "num_replicas", "request_timeout_s")}
+    app = build_app(options)  # option errors before anything starts
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    _start_ray(args.num_cpus)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        print(f"starting {args.num_replicas} HiSparse replica(s) (TP {args.tp})...", flush=True)
+        t0 = time.perf_counter()
+        serve.run(app, name="hisparse", route_prefix="/", blocking=False)
+        print(f"serving on http://{args.host}:{args.port}/ (up in "
+              f"{time.perf_counter() - t0:.1f}s); POST JSON like "
+              f"{{\"prompt\": \"hello\", \"max_new_tokens\": 8}} or {{\"ids\": [5, 17, 3]}}; "
+              f"Ctrl-C stops", flush=True)
+        stop.wait()
+        print("stopping...", flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
 def _cmd_smoke(args: argparse.Namespace) -> int:
     import ray
 
@@ -304,6 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ids", action="append", help="prompt token ids, e.g. '5,17,3' (repeatable)")
     g.add_argument("--json", action="store_true", help="print results as JSON")
     g.set_defaults(func=_cmd_generate)
+    v = sub.add_parser("serve", help="serve generate over HTTP with Ray Serve (POST JSON "
+                       "{\"prompt\": ...} or {\"ids\": [...]})")
+    _deployment_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0: every interface)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--num-replicas", type=int, default=1,
+                   help="Serve replicas, each with its own prefill worker and decode replica")
+    v.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="a request still running after this is aborted (HTTP 504)")
+    v.set_defaults(func=_cmd_serve)
     s = sub.add_parser("smoke", help="start a local Ray cluster and print the config")
     s.add_argument("--config", help="HiSparse config JSON (SGLang --hisparse-config keys)")
     s.add_argument("--num-cpus", type=int, default=2)

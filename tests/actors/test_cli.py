@@ -74,3 +74,25 @@ def test_tp_backend_is_nccl_only_when_no_two_ranks_can_share_a_gpu():
 
     assert [tp.default_backend(g) for g in (0.0, 0.25, 0.5, 0.51, 0.8, 1.0, 2.0)] == \
         ["gloo", "gloo", "gloo", "nccl", "nccl", "nccl", "nccl"]
+
+
+def test_serve_options_are_checked_before_anything_starts(capsys):
+    serve = pytest.importorskip("ray.serve")  # noqa: F841
+    from hisparse_ray.serve import build_app
+
+    with pytest.raises(ConfigError, match="bogus"):
+        build_app({"bogus": 1})
+    with pytest.raises(ConfigError, match="num_replicas=0"):
+        build_app({"num_replicas": 0})
+    with pytest.raises(ConfigError, match="max_new_tokens=50"):
+        build_app({"max_new_tokens": 50, "max_new_tokens_limit": 10})
+    with pytest.raises(ConfigError, match="request_timeout_s"):
+        build_app({"request_timeout_s": -1})
+    with pytest.raises(ConfigError, match="top_k"):
+        build_app({"config": {**cli.DEMO_CONFIG, "top_k": 64}})
+    app = build_app({"num_replicas": "2", "tp": 1, "device": "cpu"})  # `serve run k=v` strings
+    assert app is not None
+    bad = json.dumps({**cli.DEMO_CONFIG, "top_k": 64})
+    assert cli.main(["serve", "--config", bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hisparse-ray serve: invalid config") and "Traceback" not in err

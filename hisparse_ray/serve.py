@@ -1,0 +1,353 @@
+"""Ray Serve front end (ring 3): one Serve replica owns one HiSparse deployment (a prefill worker
+and a decode replica: coordinator + TP ranks) and serves ``generate`` over HTTP and handles.
+
+    from ray import serve
+    from hisparse_ray.serve import build_app
+    handle = serve.run(build_app({"tp": 2, "max_new_tokens": 16}))
+    out = handle.generate.remote(prompt="hello", max_new_tokens=8).result()
+
+    # or: hisparse-ray serve --port 8000
+    # curl -d '{"prompt": "hello", "max_new_tokens": 8}' localhost:8000/
+
+Requests from many clients run concurrently and share the decode steps (the coordinator batches
+them). Each request gets a fresh id (this front end's prefix + a uuid4); one poller thread per
+Serve replica collects its finished requests with ``Coordinator.take_done``, which also drops
+their records, so a long-running server keeps no per-request state after answering. A request whose caller goes away (HTTP client disconnect,
+``DeploymentResponse.cancel()``) or that outlives ``request_timeout_s`` is aborted on the
+coordinator, which releases its device and host blocks. Serve's health check asks the coordinator;
+a replica that failed (fenced, rank lost) reports unhealthy and Serve replaces it, and a Serve
+replica that stops shuts its HiSparse deployment down.
+
+``num_replicas`` > 1 gives each Serve replica its own prefill worker and decode replica (each
+decode replica is one placement group: its ranks share ``/dev/shm`` and CUDA IPC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from hisparse_ray.errors import (
+    CapacityError, ConfigError, HiSparseError, InvalidRequestError, StateError, TransferError,
+)
+
+log = logging.getLogger(__name__)
+
+#: ``build_app`` options and their defaults (the CLI's deployment flags, same meaning)
+DEFAULTS: dict[str, Any] = {
+    "config": None,  # HiSparse config: dict, inline JSON or a JSON file path; None = demo config
+    "tp": 2, "model": "deepseek_v32", "seed": 0, "dtype": "float32", "page_size": 8,
+    "device_blocks": 16, "device": "auto", "gpus_per_rank": None,
+    "max_new_tokens": 16,  # default per request
+    "max_new_tokens_limit": 4096,  # the most a request may ask for
+    "request_timeout_s": 600.0,
+    "num_replicas": 1, "max_ongoing_requests": 64,
+}
+POLL_S = 1.0  # the poller's longest wait on the coordinator (a shutdown is noticed within it)
+_REQUEST_KEYS = ("prompt", "ids", "max_new_tokens", "eos_token_id")
+
+
+def _specs(options: dict[str, Any]):
+    """(ReplicaSpec, PrefillSpec) from ``build_app`` options (CLI semantics, errors as
+    ConfigError naming the option)."""
+    import argparse
+
+    from hisparse_ray import cli
+
+    cfg = options["config"]
+    cfg = cli.load_config(json.dumps(cfg) if isinstance(cfg, dict) else cfg)
+    ns = argparse.Namespace(**{k: options[k] for k in (
+        "tp", "model", "seed", "dtype", "page_size", "device_blocks", "device", "gpus_per_rank")})
+    try:
+        return cli._specs(ns, cfg)
+    except SystemExit as err:  # the CLI's own argument errors
+        raise ConfigError("deployment", str(err), "valid build_app options") from None
+
+
+class HiSparseServer:
+    """The Serve deployment class (plain; ``build_app`` wraps it). ``replica_spec`` /
+    ``prefill_spec``: the HiSparse deployment it launches; ``options``: ``DEFAULTS`` keys."""
+
+    def __init__(self, replica_spec, prefill_spec, options: dict[str, Any] | None = None) -> None:
+        from hisparse_ray.actors import launch
+        from hisparse_ray.cli import ByteTokenizer
+
+        self.options = {**DEFAULTS, **(options or {})}
+        self.vocab_size = int(replica_spec.model.dsa_config().vocab_size)
+        self.tokenizer = ByteTokenizer() if self.vocab_size == ByteTokenizer.vocab_size else None
+        t0 = time.monotonic()
+        self.replica = launch.launch_deployment(replica_spec, prefill_spec)
+        log.info("HiSparse deployment up in %.1f s (TP %d)", time.monotonic() - t0,
+                 replica_spec.tp_size)
+        self._coord = self.replica.coordinator
+        self._lock = threading.Lock()
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._aborts: list[str] = []
+        self._failed: BaseException | None = None
+        self._closed = threading.Event()
+        self._served = 0
+        self._prefix = f"serve-{uuid.uuid4().hex[:12]}-"  # this front end's request ids
+        # A thread, not an asyncio task: Ray counts calls made from a request's task (and from
+        # asyncio tasks it spawned) as that request's children and cancels them with it, so a
+        # cancelled request would take the shared poll (and its own abort) down with it.
+        self._poller = threading.Thread(target=self._poll, name="hisparse-serve-poller",
+                                        daemon=True)
+        self._poller.start()
+
+    # -- requests ------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Any, ids: Any) -> list[int]:
+        if (prompt is None) == (ids is None):
+            raise InvalidRequestError("-", "give exactly one of 'prompt' (text) or 'ids' "
+                                           "(token ids)")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("-", f"prompt={prompt!r} must be a non-empty str")
+            if self.tokenizer is None:
+                raise InvalidRequestError("-", "this model has no built-in tokenizer: send 'ids'")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise InvalidRequestError("-", f"ids={ids!r} must be a non-empty list of token ids")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError("-", f"token id {t!r} is not an int in "
+                                               f"[0, {self.vocab_size})")
+        return list(ids)
+
+    def _max_new(self, value: Any) -> int:
+        if value is None:
+            return int(self.options["max_new_tokens"])
+        limit = int(self.options["max_new_tokens_limit"])
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise InvalidRequestError("-", f"max_new_tokens={value!r} must be an int in "
+                                           f"[1, {limit}]")
+        return value
+
+    async def generate(self, prompt: str | None = None, ids: list[int] | None = None,
+                       max_new_tokens: int | None = None, eos_token_id: int | None = None,
+                       timeout_s: float | None = None) -> dict:
+        """Generate for one prompt (``prompt`` text through the tiny model's byte tokenizer, or
+        token ``ids``). Returns the tokens (and text), finish reason, latency, decode tokens/s,
+        hot-buffer hit rate and landing target. Raises the request's typed error."""
+        tokens = self._prompt_ids(prompt, ids)
+        max_new = self._max_new(max_new_tokens)
+        if self._failed is not None:
+            raise StateError(f"replica failed: {self._failed!r}")
+        if self._closed.is_set():
+            raise StateError("server is shutting down")
+        rid = self._prefix + uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:  # before submit: the poller may see it finish at once
+            self._waiters[rid] = (asyncio.get_running_loop(), fut)
+        try:
+            await self._coord.submit.remote(rid, tokens, max_new, eos_token_id)
+        except BaseException as err:
+            with self._lock:
+                self._waiters.pop(rid, None)
+                if isinstance(err, asyncio.CancelledError):  # the submit may have run
+                    self._aborts.append(rid)
+            raise _unwrap(err) from None
+        timeout = self.options["request_timeout_s"] if timeout_s is None else timeout_s
+        try:
+            summary, error = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except (asyncio.CancelledError, asyncio.TimeoutError) as err:
+            # the caller left or waited too long: the poller aborts it, which frees its blocks
+            # and drops its record once done (a result that wins the race is dropped too)
+            with self._lock:
+                if self._waiters.pop(rid, None) is not None:
+                    self._aborts.append(rid)
+            if isinstance(err, asyncio.TimeoutError):
+                raise TimeoutError(f"request {rid} not done after {timeout} s (aborted)") from None
+            raise
+        if error is not None:
+            raise error
+        self._served += 1
+        out = {
+            "request_id": rid, "tokens": summary["tokens"], "prompt_tokens": len(tokens),
+            "finish_reason": summary["finish_reason"], "latency_s": summary["latency_s"],
+            "decode_tokens_per_s": summary["decode_tokens_per_s"],
+            "hot_hit_rate": summary["hot_hit_rate"], "landing_target": summary["target"],
+        }
+        if prompt is not None:
+            out["text"] = self.tokenizer.decode(summary["tokens"])
+        return out
+
+    def _poll(self) -> None:
+        """Poller thread: send the aborts, take finished requests (``take_done`` long poll)
+        and hand each to its waiter's event loop, until shutdown or the replica fails."""
+        import ray
+
+        pending: list = []  # abort calls in flight (their errors are read, not left unhandled)
+        while not self._closed.is_set():
+            with self._lock:
+                aborts, self._aborts = self._aborts, []
+            pending += [self._coord.abort.remote(rid, True) for rid in aborts]
+            if pending:
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                    except Exception as err:  # noqa: BLE001 - done and taken already
+                        log.debug("abort: %r", err)
+            try:
+                got = ray.get(self._coord.take_done.remote(None, POLL_S, 4096, self._prefix))
+            except Exception as err:  # noqa: BLE001 - classified below
+                err = _unwrap(err)
+                if isinstance(err, (StateError, ray.exceptions.RayActorError)):
+                    self._fail_all(err)  # the replica failed or is gone: for good
+                    return
+                log.warning("take_done failed (retrying): %r", err)
+                self._closed.wait(0.1)
+                continue
+            for summary, error in got:
+                with self._lock:
+                    waiter = self._waiters.pop(summary["request_id"], None)
+                if waiter is not None:
+                    loop, fut = waiter
+                    _resolve(loop, fut, (summary, error))
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._lock:
+            self._failed = err
+            waiters, self._waiters = self._waiters, {}
+        for loop, fut in waiters.values():
+            _resolve(loop, fut, None, err)
+
+    # -- HTTP ----------------------------------------------------------------------------------
+    async def __call__(self, request) -> Any:
+        """POST a JSON object: ``prompt`` or ``ids``, optional ``max_new_tokens`` and
+        ``eos_token_id``. 200 with ``generate``'s result; 400 for a bad request (the message
+        names the value), 413 when the request can never fit the pools, 503 when the replica
+        failed or the landing failed, 504 on timeout."""
+        from starlette.responses import JSONResponse
+
+        try:
+            try:
+                body = await request.json()
+            except Exception as err:  # noqa: BLE001 - any parse failure is the client's
+                raise InvalidRequestError("-", f"body is not JSON: {err}") from None
+            if not isinstance(body, dict):
+                raise InvalidRequestError("-", f"body must be a JSON object, got {body!r:.80}")
+            unknown = sorted(set(body) - set(_REQUEST_KEYS))
+            if unknown:
+                raise InvalidRequestError("-", f"unknown keys {unknown}; allowed: "
+                                               f"{list(_REQUEST_KEYS)}")
+            return await self.generate(**body)
+        except BaseException as err:  # noqa: BLE001 - mapped to a status below
+            status = _status(err)
+            if status is None:
+                raise
+            return JSONResponse({"error": str(err), "error_type": type(err).__name__},
+                                status_code=status)
+
+    # -- operations ----------------------------------------------------------------------------
+    async def metrics(self) -> dict:
+        """The coordinator's metrics plus this front end's counts."""
+        m = await self._coord.metrics.remote()
+        m["serve"] = {"waiting": len(self._waiters), "served": self._served,
+                      "poller_alive": self._poller.is_alive(),
+                      "failed": repr(self._failed) if self._failed else None}
+        return m
+
+    def coordinator(self):
+        """The decode replica's coordinator actor handle (operations and tests)."""
+        return self._coord
+
+    async def check_health(self) -> None:
+        """Serve's health check: unhealthy once the replica failed (Serve replaces it)."""
+        if self._failed is not None:
+            raise RuntimeError(f"HiSparse replica failed: {self._failed!r}")
+        failed = await self._coord.failure.remote()
+        if failed is not None:
+            raise RuntimeError(f"HiSparse replica failed: {failed}")
+
+    def shutdown(self) -> None:
+        """Stop the HiSparse deployment (idempotent); waiting requests get StateError."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._fail_all(StateError("server is shutting down"))
+        self._poller.join(timeout=2 * POLL_S + 5)
+        self.replica.shutdown()
+
+    def __del__(self) -> None:  # Serve calls it when the replica stops
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any,
+             err: BaseException | None = None) -> None:
+    """Complete ``fut`` on its own loop from any thread (a closed loop: nobody waits)."""
+    def done() -> None:
+        if not fut.done():
+            if err is not None:
+                fut.set_exception(err)
+            else:
+                fut.set_result(value)
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:
+        pass
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """The typed error inside a Ray task error (Ray wraps what an actor method raised)."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
+
+
+def _status(err: BaseException) -> int | None:
+    err = _unwrap(err)
+    if isinstance(err, CapacityError):
+        return 413
+    if isinstance(err, (InvalidRequestError, ConfigError)):
+        return 400
+    if isinstance(err, (StateError, TransferError)):
+        return 503
+    if isinstance(err, TimeoutError):
+        return 504
+    if isinstance(err, HiSparseError):
+        return 500
+    return None
+
+
+def build_app(options: dict[str, Any] | None = None):
+    """A Serve application of ``HiSparseServer`` (``serve.run(build_app({...}))``, or
+    ``serve run hisparse_ray.serve:build_app tp=2 ...``). ``options``: ``DEFAULTS`` keys;
+    an unknown key or bad value raises ConfigError naming it."""
+    from ray import serve
+
+    opts = dict(DEFAULTS)
+    for key, value in (options or {}).items():
+        if key not in DEFAULTS:
+            raise ConfigError(key, value, f"one of {sorted(DEFAULTS)}")
+        opts[key] = value
+    for key in ("num_replicas", "max_ongoing_requests", "max_new_tokens", "max_new_tokens_limit"):
+        v = opts[key]
+        if isinstance(v, str) and v.isdigit():  # `serve run ... key=value` passes strings
+            v = opts[key] = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(key, v, "an int >= 1")
+    if opts["max_new_tokens"] > opts["max_new_tokens_limit"]:
+        raise ConfigError("max_new_tokens", opts["max_new_tokens"],
+                          f"<= max_new_tokens_limit ({opts['max_new_tokens_limit']})")
+    try:
+        opts["request_timeout_s"] = float(opts["request_timeout_s"])
+    except (TypeError, ValueError):
+        raise ConfigError("request_timeout_s", opts["request_timeout_s"], "seconds > 0") from None
+    if not opts["request_timeout_s"] > 0:
+        raise ConfigError("request_timeout_s", opts["request_timeout_s"], "seconds > 0")
+    replica_spec, prefill_spec = _specs(opts)
+    dep = serve.deployment(
+        HiSparseServer, name="hisparse", num_replicas=opts["num_replicas"],
+        max_ongoing_requests=opts["max_ongoing_requests"],
+        ray_actor_options={"num_cpus": 0},  # a router: the decode replica holds the resources
+        graceful_shutdown_timeout_s=60,
+    )
+    return dep.bind(replica_spec, prefill_spec, opts)
