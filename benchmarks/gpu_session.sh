@@ -14,6 +14,7 @@
 #   or, 16K landings under the default push-with-prefill "auto":  ... landing-auto
 #   or, 16K landings with push-with-prefill never / always / auto:  ... landing-pwp
 #   or, every gpu test and the control plane once more:  ... final
+#   or, the actor-system gpu tests, the codec's C tests and the control plane (~4 min):  ... check
 #   or, the step channel's C hot path vs Python (micro and actor control plane):  ... wire
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
@@ -25,7 +26,7 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|wire|landing-auto|landing-pwp|final)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|wire|landing-auto|landing-pwp|final|check)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -71,6 +72,14 @@ case "${1:-run}" in
           --new-tokens 64 --profile-s 4 --py-spy /tmp/pyspy/bin/py-spy --out "$OUT/tp_profile.json" \
           > "$OUT/tp_profile.log" 2>&1
         grep -E "^ +[0-9. ]+%|rank [01]:|^tp|^layout|up in|py-spy|Error" "$OUT/tp_profile.log" | cut -c1-120 | tail -75
+        exit 0 ;;
+      check)  # ~4 min: the actor-system gpu tests, the step codec's C tests, the control plane
+        timeout 200 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu.py \
+          tests/transfer/test_native_wire.py tests/transfer/test_stepcodec.py 2>&1 \
+          | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
+        timeout 100 python3 benchmarks/bench_control_plane.py --only control --probes 500 \
+          --out "$OUT/control_plane_check.json" > "$OUT/control_plane_check.log" 2>&1
+        grep -E "$keep|hot path|^stages" "$OUT/control_plane_check.log" | tail -9
         exit 0 ;;
       final)  # ~8 min: every gpu test, then the control plane once more (C hot path)
         timeout 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" \
