@@ -20,7 +20,7 @@ import ray
 
 from hisparse_ray.actors.landing import RankEndpoint, StagingPool
 from hisparse_ray.actors.lander import Lander
-from hisparse_ray.actors.records import RequestRecord
+from hisparse_ray.actors.records import RecordBook, RequestRecord
 from hisparse_ray.actors.spec import ReplicaSpec
 from hisparse_ray.channel import ChannelPair
 from hisparse_ray.core.config import CoordinatorConfig
@@ -31,7 +31,6 @@ from hisparse_ray.errors import (
 from hisparse_ray.types import Admission, RequestId, RequestState
 
 IDLE_WAIT_S = 0.02
-TAKEN_MEMORY = 1 << 16  # ids of dropped records still refused as duplicates
 REPORT_POLL_S = 0.005  # per-channel wait while collecting a step's reports
 
 
@@ -55,10 +54,8 @@ class Coordinator:
         self.core = CoreCoordinator(self.core_config)
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
-        self.records: dict[str, RequestRecord] = {}
+        self.records = RecordBook()  # submit -> done -> taken / forgotten (see RecordBook)
         self._prompts: dict[str, list[int]] = {}
-        self._done_order: dict[str, None] = {}  # done, not yet taken or forgotten (finish order)
-        self._gone: dict[str, None] = {}  # the last TAKEN_MEMORY ids taken or forgotten
         self._route: dict[str, int] = {}
         self._channels: list[ChannelPair] = []
         self._landers: list[Lander] = []
@@ -138,11 +135,11 @@ class Coordinator:
                                  f"retired: {self._landers[prefill].retired!r}")
             if all(lander.retired is not None for lander in self._landers):
                 raise StateError("every prefill worker of this replica was retired")
-            if request_id in self.records or request_id in self._gone:
+            rec = RequestRecord(request_id, len(prompt), max_new_tokens, time.monotonic())
+            if not self.records.is_new(request_id):  # held, or dropped not long ago
                 raise DuplicateRequestError(request_id)
             adm = self.core.admit(RequestId(request_id), list(prompt), max_new_tokens, eos_token_id)
-            self.records[request_id] = RequestRecord(request_id, len(prompt), max_new_tokens,
-                                                     time.monotonic())
+            self.records.add(rec)
             self._prompts[request_id] = list(prompt)
             if prefill is not None:
                 self._route[request_id] = prefill
@@ -229,9 +226,7 @@ class Coordinator:
             if rec is None:
                 raise UnknownRequestError(request_id)
             if discard:
-                rec.discard = True
-                if rec.done:
-                    self._drop([request_id])
+                self.records.discard(request_id)
             if not rec.done:
                 rec.abort_requested = True
                 if self.core.view(RequestId(request_id)).state is not RequestState.LANDING:
@@ -284,57 +279,31 @@ class Coordinator:
         """Wait until one of ``request_ids`` (when None: of the requests whose id starts with
         ``prefix``, so several front ends can share a replica) is done, then hand over
         the done ones, oldest first and at most ``limit``, as (summary, typed error or None), and
-        forget them (``forget``). ``[]`` after ``timeout`` s. This is the long-running front end's call (the Ray Serve deployment
-        polls it): ``wait`` / ``result`` keep every record until ``forget``. Each done request
-        is handed to exactly one caller."""
+        forget them (``forget``). ``[]`` after ``timeout`` s. This is a long-running front end's
+        call (the Ray Serve deployment polls it); ``wait`` / ``result`` keep every record until
+        ``forget``. Each done request is handed to exactly one caller."""
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         with self.cond:
-            if request_ids is None:
-                ready = lambda: any(r.startswith(prefix) for r in self._done_order)  # noqa: E731
-            else:
-                ids = list(request_ids)
-                for rid in ids:
-                    if rid not in self.records:
-                        raise UnknownRequestError(rid)
-                ready = lambda: any(r in self._done_order for r in ids)  # noqa: E731
-            self.cond.wait_for(lambda: ready() or self._fatal is not None, timeout)
+            ids = None if request_ids is None else list(request_ids)
+            for rid in ids or ():
+                if rid not in self.records:
+                    raise UnknownRequestError(rid)
+            self.cond.wait_for(lambda: self.records.ready(ids, prefix) or self._fatal is not None,
+                               timeout)
             if self._fatal is not None:
                 raise StateError(f"replica failed: {self._fatal!r}")
-            picked = ([r for r in self._done_order if r.startswith(prefix)] if request_ids is None
-                      else [r for r in ids if r in self._done_order])[:limit]
-            out = []
-            for rid in picked:
-                rec = self.records[rid]
-                out.append((rec.summary(), rec.error))
-            self._drop(picked)
-            return out
+            return [(rec.summary(), rec.error) for rec in self.records.take(ids, prefix, limit)]
 
     def forget(self, request_ids: list[str]) -> int:
         """Drop the records of done requests; returns how many. ``StateError`` for a request not
         done yet (abort it first), ``UnknownRequestError`` for an unknown id; on either error
         nothing is dropped. A request id stays unique for the replica's life: the ranks may still
         hold a release or a cancelled landing under it, so submitting it again is refused
-        (``DuplicateRequestError``) for the last ``TAKEN_MEMORY`` ids dropped and unsafe after
+        (``DuplicateRequestError``) for the last ``records.TAKEN_MEMORY`` ids dropped and unsafe after
         that (front ends use fresh ids: the Serve deployment takes uuid4s)."""
         with self.cond:
-            for rid in request_ids:
-                rec = self.records.get(rid)
-                if rec is None:
-                    raise UnknownRequestError(rid)
-                if not rec.done:
-                    raise StateError(f"request {rid!r} is not done: abort it before forgetting it")
-            self._drop(list(request_ids))
-            return len(request_ids)
-
-    def _drop(self, request_ids: list[str]) -> None:
-        """(lock held) Forget done records, remembering their ids (bounded)."""
-        for rid in request_ids:
-            if self.records.pop(rid, None) is not None:
-                self._done_order.pop(rid, None)
-                self._gone[rid] = None
-        while len(self._gone) > TAKEN_MEMORY:
-            del self._gone[next(iter(self._gone))]
+            return self.records.forget(list(request_ids))
 
     def failure(self) -> str | None:
         """Why the replica stopped (fenced, a rank lost), or None while it serves."""
@@ -380,7 +349,7 @@ class Coordinator:
             "staging_blocks": self.staging.capacity if self.staging else 0,
             "staging_free_blocks": self.staging.num_free if self.staging else 0,
             "records": len(self.records),  # requests known: in flight, or done and not taken
-            "in_flight": len(self.records) - len(self._done_order),
+            "in_flight": self.records.in_flight,
         }
 
     def _gather_reports(self, timeout: float) -> tuple[list, list[float], list[float]]:
@@ -520,6 +489,4 @@ class Coordinator:
         rec.finished = time.monotonic()
         self.core.free(RequestId(rid))
         self._prompts.pop(rid, None)
-        self._done_order[rid] = None
-        if rec.discard:
-            self._drop([rid])
+        self.records.finished(rid)
