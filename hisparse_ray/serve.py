@@ -47,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "max_new_tokens_limit": 4096,  # the most a request may ask for
     "request_timeout_s": 600.0,
     "num_replicas": 1, "max_ongoing_requests": 64,
+    "health_check_period_s": 10.0,  # how soon Serve notices a failed replica and replaces it
 }
 POLL_S = 1.0  # the poller's longest wait on the coordinator (a shutdown is noticed within it)
 _REQUEST_KEYS = ("prompt", "ids", "max_new_tokens", "eos_token_id")
@@ -136,7 +137,7 @@ class HiSparseServer:
         tokens = self._prompt_ids(prompt, ids)
         max_new = self._max_new(max_new_tokens)
         if self._failed is not None:
-            raise StateError(f"replica failed: {self._failed!r}")
+            raise _replica_failed(self._failed)
         if self._closed.is_set():
             raise StateError("server is shutting down")
         rid = self._prefix + uuid.uuid4().hex
@@ -257,10 +258,15 @@ class HiSparseServer:
         """The decode replica's coordinator actor handle (operations and tests)."""
         return self._coord
 
+    def actors(self) -> dict[str, Any]:
+        """Every actor handle of this replica's HiSparse deployment (operations and tests)."""
+        return {"coordinator": self._coord, "ranks": list(self.replica.ranks),
+                "prefill": list(self.replica.prefill)}
+
     async def check_health(self) -> None:
         """Serve's health check: unhealthy once the replica failed (Serve replaces it)."""
         if self._failed is not None:
-            raise RuntimeError(f"HiSparse replica failed: {self._failed!r}")
+            raise RuntimeError(f"HiSparse {_replica_failed(self._failed)}")
         failed = await self._coord.failure.remote()
         if failed is not None:
             raise RuntimeError(f"HiSparse replica failed: {failed}")
@@ -294,6 +300,11 @@ def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any,
         loop.call_soon_threadsafe(done)
     except RuntimeError:
         pass
+
+
+def _replica_failed(err: BaseException) -> StateError:
+    """A fresh StateError naming why the replica failed (the coordinator's, when it said)."""
+    return StateError(str(err) if isinstance(err, StateError) else f"replica failed: {err!r}")
 
 
 def _unwrap(err: BaseException) -> BaseException:
@@ -337,17 +348,18 @@ def build_app(options: dict[str, Any] | None = None):
     if opts["max_new_tokens"] > opts["max_new_tokens_limit"]:
         raise ConfigError("max_new_tokens", opts["max_new_tokens"],
                           f"<= max_new_tokens_limit ({opts['max_new_tokens_limit']})")
-    try:
-        opts["request_timeout_s"] = float(opts["request_timeout_s"])
-    except (TypeError, ValueError):
-        raise ConfigError("request_timeout_s", opts["request_timeout_s"], "seconds > 0") from None
-    if not opts["request_timeout_s"] > 0:
-        raise ConfigError("request_timeout_s", opts["request_timeout_s"], "seconds > 0")
+    for key in ("request_timeout_s", "health_check_period_s"):
+        try:
+            opts[key] = float(opts[key])
+        except (TypeError, ValueError):
+            raise ConfigError(key, opts[key], "seconds > 0") from None
+        if not opts[key] > 0:
+            raise ConfigError(key, opts[key], "seconds > 0")
     replica_spec, prefill_spec = _specs(opts)
     dep = serve.deployment(
         HiSparseServer, name="hisparse", num_replicas=opts["num_replicas"],
         max_ongoing_requests=opts["max_ongoing_requests"],
         ray_actor_options={"num_cpus": 0},  # a router: the decode replica holds the resources
-        graceful_shutdown_timeout_s=60,
+        graceful_shutdown_timeout_s=60, health_check_period_s=opts["health_check_period_s"],
     )
     return dep.bind(replica_spec, prefill_spec, opts)

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
 
 serve = pytest.importorskip("ray.serve")
 
-OPTIONS = {"tp": 2, "device_blocks": 12, "max_new_tokens": 6, "max_new_tokens_limit": 1000}
+OPTIONS = {"tp": 2, "device_blocks": 12, "max_new_tokens": 6, "max_new_tokens_limit": 1000,
+           "health_check_period_s": 2}
 
 
 def _free_port() -> int:
@@ -242,6 +243,50 @@ def test_random_mix_of_served_cancelled_and_timed_out_requests(app):
         for i, (_, out) in enumerate(group):
             assert out["tokens"] == ref[str(i)]
     assert _settled(handle)["records"] == 0
+
+
+def test_a_lost_rank_fails_its_requests_and_serve_replaces_the_replica(app):
+    """Kill a decode rank mid-request: the request fails with StateError (HTTP 503), the health
+    check reports the replica failed, Serve starts a new one (a new HiSparse deployment) and
+    serves exactly again; the old coordinator is shut down with its Serve replica."""
+    from hisparse_ray.errors import StateError
+
+    handle, url = app
+    old = handle.actors.remote().result()
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 96) for _ in range(150)]
+    resp = handle.generate.remote(ids=prompt, max_new_tokens=900)
+    end = time.monotonic() + 120
+    while not any(n > 0 for n, _, _ in ray.get(old["coordinator"].progress.remote()).values()):
+        assert time.monotonic() < end, "the request never started decoding"
+        time.sleep(0.1)
+    ray.kill(old["ranks"][1], no_restart=True)
+    with pytest.raises(StateError, match="replica failed"):
+        resp.result(timeout_s=120)
+    status, body = _post(url, {"ids": [1, 2, 3], "max_new_tokens": 2})
+    assert status in (503, 200), body  # 200 only if Serve replaced it already
+
+    end = time.monotonic() + 300
+    while True:  # until the replacement serves (liveness bound, not a speed)
+        try:
+            out = handle.generate.remote(ids=prompt, max_new_tokens=3).result(timeout_s=120)
+            break
+        except (StateError, ray.exceptions.RayActorError, serve.exceptions.BackPressureError):
+            assert time.monotonic() < end, "Serve did not replace the failed replica"
+            time.sleep(1)
+    new = handle.actors.remote().result()
+    assert new["coordinator"] != old["coordinator"]
+    from hisparse_ray.actors.reference import full_resident_tokens
+
+    assert out["tokens"] == full_resident_tokens(_specs()[0].model, [prompt], 3, ["x"])["x"]
+    end = time.monotonic() + 120
+    while True:  # the failed replica's coordinator went down with its Serve replica
+        try:
+            ray.get(old["coordinator"].failure.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            break
+        assert time.monotonic() < end, "the failed replica's coordinator is still alive"
+        time.sleep(0.5)
 
 
 def test_deleting_the_app_shuts_the_replica_down(app):
