@@ -305,6 +305,24 @@ class Coordinator:
         with self.cond:
             return self.records.forget(list(request_ids))
 
+    def partial_tokens(self, seen: dict[str, int]) -> dict[str, list[int]]:
+        """For streaming front ends: the tokens each request generated after the first
+        ``seen[rid]``, for those that generated more (requests not decoding yet, done, or
+        unknown are left out: a done request's tokens come whole from ``take_done``)."""
+        out: dict[str, list[int]] = {}
+        with self.lock:
+            for rid, n in seen.items():
+                rec = self.records.get(rid)
+                if rec is None or rec.done or rec.landed is None:
+                    continue
+                try:
+                    new = self.core.generated(RequestId(rid), n)
+                except UnknownRequestError:
+                    continue
+                if new:
+                    out[rid] = list(new)
+        return out
+
     def failure(self) -> str | None:
         """Why the replica stopped (fenced, a rank lost), or None while it serves."""
         with self.lock:

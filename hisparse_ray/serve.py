@@ -6,8 +6,12 @@ and a decode replica: coordinator + TP ranks) and serves ``generate`` over HTTP 
     handle = serve.run(build_app({"tp": 2, "max_new_tokens": 16}))
     out = handle.generate.remote(prompt="hello", max_new_tokens=8).result()
 
+    for chunk in handle.options(stream=True).generate_stream.remote(prompt="hello"):
+        print(chunk["text"])                     # new tokens as they decode; last: the result
+
     # or: hisparse-ray serve --port 8000
     # curl -d '{"prompt": "hello", "max_new_tokens": 8}' localhost:8000/
+    # curl -N -d '{"prompt": "hello", "stream": true}' localhost:8000/      (JSON lines)
 
 Requests from many clients run concurrently and share the decode steps (the coordinator batches
 them). Each request gets a fresh id (this front end's prefix + a uuid4); one poller thread per
@@ -30,6 +34,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from hisparse_ray.errors import (
@@ -50,7 +55,8 @@ DEFAULTS: dict[str, Any] = {
     "health_check_period_s": 10.0,  # how soon Serve notices a failed replica and replaces it
 }
 POLL_S = 1.0  # the poller's longest wait on the coordinator (a shutdown is noticed within it)
-_REQUEST_KEYS = ("prompt", "ids", "max_new_tokens", "eos_token_id")
+_REQUEST_KEYS = ("prompt", "ids", "max_new_tokens", "eos_token_id", "stream")
+STREAM_POLL_S = 0.05  # while a stream is open: how often its new tokens are fetched
 
 
 def _specs(options: dict[str, Any]):
@@ -87,7 +93,7 @@ class HiSparseServer:
                  replica_spec.tp_size)
         self._coord = self.replica.coordinator
         self._lock = threading.Lock()
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._waiters: dict[str, _Waiter] = {}
         self._aborts: list[str] = []
         self._failed: BaseException | None = None
         self._closed = threading.Event()
@@ -134,6 +140,26 @@ class HiSparseServer:
         """Generate for one prompt (``prompt`` text through the tiny model's byte tokenizer, or
         token ``ids``). Returns the tokens (and text), finish reason, latency, decode tokens/s,
         hot-buffer hit rate and landing target. Raises the request's typed error."""
+        rid, w = await self._start(prompt, ids, max_new_tokens, eos_token_id, stream=False)
+        async for item in self._follow(rid, w, timeout_s):
+            if "done" in item:
+                return item
+        raise AssertionError("unreachable: _follow ends with the done item or raises")
+
+    async def generate_stream(self, prompt: str | None = None, ids: list[int] | None = None,
+                              max_new_tokens: int | None = None,
+                              eos_token_id: int | None = None, timeout_s: float | None = None):
+        """``generate``, streamed (``handle.options(stream=True).generate_stream.remote(...)``):
+        yields ``{"tokens": [...]}`` (plus ``"text"``) as the decode steps produce them, at most
+        every ``STREAM_POLL_S``, then ``generate``'s result with ``"done": True``. The chunks'
+        tokens concatenate to the result's tokens."""
+        rid, w = await self._start(prompt, ids, max_new_tokens, eos_token_id, stream=True)
+        async for item in self._follow(rid, w, timeout_s):
+            yield item
+
+    async def _start(self, prompt, ids, max_new_tokens, eos_token_id, stream: bool):
+        """Validate, register a waiter (before submitting: the poller may see the request
+        finish at once) and submit. Raises the typed error of a refused request."""
         tokens = self._prompt_ids(prompt, ids)
         max_new = self._max_new(max_new_tokens)
         if self._failed is not None:
@@ -141,9 +167,10 @@ class HiSparseServer:
         if self._closed.is_set():
             raise StateError("server is shutting down")
         rid = self._prefix + uuid.uuid4().hex
-        fut = asyncio.get_running_loop().create_future()
-        with self._lock:  # before submit: the poller may see it finish at once
-            self._waiters[rid] = (asyncio.get_running_loop(), fut)
+        w = _Waiter(asyncio.get_running_loop(), asyncio.Queue(), stream, len(tokens),
+                    prompt is not None)
+        with self._lock:
+            self._waiters[rid] = w
         try:
             await self._coord.submit.remote(rid, tokens, max_new, eos_token_id)
         except BaseException as err:
@@ -152,40 +179,71 @@ class HiSparseServer:
                 if isinstance(err, asyncio.CancelledError):  # the submit may have run
                     self._aborts.append(rid)
             raise _unwrap(err) from None
+        return rid, w
+
+    async def _follow(self, rid: str, w: "_Waiter", timeout_s: float | None):
+        """Yield the request's token chunks (streams only) and its final result; a caller that
+        leaves (cancellation, generator closed) or a timeout aborts the request, which frees
+        its blocks and drops its record once done (a result that wins the race is dropped)."""
         timeout = self.options["request_timeout_s"] if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        finished = False
         try:
-            summary, error = await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except (asyncio.CancelledError, asyncio.TimeoutError) as err:
-            # the caller left or waited too long: the poller aborts it, which frees its blocks
-            # and drops its record once done (a result that wins the race is dropped too)
-            with self._lock:
-                if self._waiters.pop(rid, None) is not None:
-                    self._aborts.append(rid)
-            if isinstance(err, asyncio.TimeoutError):
-                raise TimeoutError(f"request {rid} not done after {timeout} s (aborted)") from None
-            raise
-        if error is not None:
-            raise error
-        self._served += 1
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                kind, payload = await asyncio.wait_for(w.queue.get(), left)
+                if kind == "error":
+                    finished = True
+                    raise payload
+                if kind == "tokens":
+                    yield self._chunk(w, payload)
+                    continue
+                summary, error = payload
+                finished = True
+                if error is not None:
+                    raise error
+                self._served += 1
+                yield self._result(rid, w, summary)
+                return
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"request {rid} not done after {timeout} s (aborted)") from None
+        finally:
+            if not finished:
+                with self._lock:
+                    if self._waiters.pop(rid, None) is not None:
+                        self._aborts.append(rid)
+
+    def _chunk(self, w: "_Waiter", tokens: list[int]) -> dict:
+        out: dict[str, Any] = {"tokens": tokens}
+        if w.text:
+            out["text"] = self.tokenizer.decode(tokens)
+        return out
+
+    def _result(self, rid: str, w: "_Waiter", summary: dict) -> dict:
         out = {
-            "request_id": rid, "tokens": summary["tokens"], "prompt_tokens": len(tokens),
-            "finish_reason": summary["finish_reason"], "latency_s": summary["latency_s"],
+            "done": True, "request_id": rid, "tokens": summary["tokens"],
+            "prompt_tokens": w.prompt_len, "finish_reason": summary["finish_reason"],
+            "latency_s": summary["latency_s"],
             "decode_tokens_per_s": summary["decode_tokens_per_s"],
             "hot_hit_rate": summary["hot_hit_rate"], "landing_target": summary["target"],
         }
-        if prompt is not None:
+        if w.text:
             out["text"] = self.tokenizer.decode(summary["tokens"])
         return out
 
     def _poll(self) -> None:
-        """Poller thread: send the aborts, take finished requests (``take_done`` long poll)
-        and hand each to its waiter's event loop, until shutdown or the replica fails."""
+        """Poller thread: send the aborts, take finished requests (``take_done`` long poll;
+        short while a stream is open, then the streams' new tokens in one call) and hand
+        everything to the waiters' event loops, until shutdown or the replica fails."""
         import ray
 
         pending: list = []  # abort calls in flight (their errors are read, not left unhandled)
         while not self._closed.is_set():
             with self._lock:
                 aborts, self._aborts = self._aborts, []
+                streams = {rid: w.seen for rid, w in self._waiters.items() if w.stream}
             pending += [self._coord.abort.remote(rid, True) for rid in aborts]
             if pending:
                 done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
@@ -195,7 +253,9 @@ class HiSparseServer:
                     except Exception as err:  # noqa: BLE001 - done and taken already
                         log.debug("abort: %r", err)
             try:
-                got = ray.get(self._coord.take_done.remote(None, POLL_S, 4096, self._prefix))
+                got = ray.get(self._coord.take_done.remote(
+                    None, STREAM_POLL_S if streams else POLL_S, 4096, self._prefix))
+                partial = ray.get(self._coord.partial_tokens.remote(streams)) if streams else {}
             except Exception as err:  # noqa: BLE001 - classified below
                 err = _unwrap(err)
                 if isinstance(err, (StateError, ray.exceptions.RayActorError)):
@@ -204,27 +264,38 @@ class HiSparseServer:
                 log.warning("take_done failed (retrying): %r", err)
                 self._closed.wait(0.1)
                 continue
+            for rid, tokens in partial.items():
+                with self._lock:
+                    w = self._waiters.get(rid)
+                    if w is None or w.seen != streams[rid]:
+                        continue
+                    w.seen += len(tokens)
+                w.put(("tokens", tokens))
             for summary, error in got:
                 with self._lock:
-                    waiter = self._waiters.pop(summary["request_id"], None)
-                if waiter is not None:
-                    loop, fut = waiter
-                    _resolve(loop, fut, (summary, error))
+                    w = self._waiters.pop(summary["request_id"], None)
+                if w is None:
+                    continue
+                rest = summary["tokens"][w.seen:]
+                if w.stream and error is None and rest:
+                    w.put(("tokens", rest))
+                w.put(("done", (summary, error)))
 
     def _fail_all(self, err: BaseException) -> None:
         with self._lock:
             self._failed = err
             waiters, self._waiters = self._waiters, {}
-        for loop, fut in waiters.values():
-            _resolve(loop, fut, None, err)
+        for w in waiters.values():
+            w.put(("error", _replica_failed(err)))
 
     # -- HTTP ----------------------------------------------------------------------------------
     async def __call__(self, request) -> Any:
-        """POST a JSON object: ``prompt`` or ``ids``, optional ``max_new_tokens`` and
-        ``eos_token_id``. 200 with ``generate``'s result; 400 for a bad request (the message
-        names the value), 413 when the request can never fit the pools, 503 when the replica
-        failed or the landing failed, 504 on timeout."""
-        from starlette.responses import JSONResponse
+        """POST a JSON object: ``prompt`` or ``ids``, optional ``max_new_tokens``,
+        ``eos_token_id`` and ``stream``. 200 with ``generate``'s result (``stream``: JSON lines,
+        ``generate_stream``'s chunks); 400 for a bad request (the message names the value), 413
+        when the request can never fit the pools, 503 when the replica failed or the landing
+        failed, 504 on timeout."""
+        from starlette.responses import JSONResponse, StreamingResponse
 
         try:
             try:
@@ -237,13 +308,30 @@ class HiSparseServer:
             if unknown:
                 raise InvalidRequestError("-", f"unknown keys {unknown}; allowed: "
                                                f"{list(_REQUEST_KEYS)}")
-            return await self.generate(**body)
+            stream = body.pop("stream", False)
+            if not isinstance(stream, bool):
+                raise InvalidRequestError("-", f"stream={stream!r} must be true or false")
+            if not stream:
+                return await self.generate(**body)
+            rid, w = await self._start(body.get("prompt"), body.get("ids"),
+                                       body.get("max_new_tokens"), body.get("eos_token_id"),
+                                       stream=True)
+            return StreamingResponse(self._ndjson(rid, w), media_type="application/x-ndjson")
         except BaseException as err:  # noqa: BLE001 - mapped to a status below
             status = _status(err)
             if status is None:
                 raise
             return JSONResponse({"error": str(err), "error_type": type(err).__name__},
                                 status_code=status)
+
+    async def _ndjson(self, rid: str, w: "_Waiter"):
+        """A stream's chunks as JSON lines; an error after the stream started (the status is
+        sent) becomes a last line ``{"error": ..., "error_type": ...}``."""
+        try:
+            async for item in self._follow(rid, w, None):
+                yield json.dumps(item) + "\n"
+        except (HiSparseError, TimeoutError) as err:
+            yield json.dumps({"error": str(err), "error_type": type(err).__name__}) + "\n"
 
     # -- operations ----------------------------------------------------------------------------
     async def metrics(self) -> dict:
@@ -287,19 +375,24 @@ class HiSparseServer:
             pass
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any,
-             err: BaseException | None = None) -> None:
-    """Complete ``fut`` on its own loop from any thread (a closed loop: nobody waits)."""
-    def done() -> None:
-        if not fut.done():
-            if err is not None:
-                fut.set_exception(err)
-            else:
-                fut.set_result(value)
-    try:
-        loop.call_soon_threadsafe(done)
-    except RuntimeError:
-        pass
+@dataclass
+class _Waiter:
+    """One request in flight through this front end. The poller thread ``put``s ("tokens",
+    new tokens) (streams only), then ("done", (summary, error)), or ("error", exception)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    stream: bool
+    prompt_len: int
+    text: bool  # the prompt came as text: answer with text too
+    seen: int = 0  # tokens already put (poller thread, under the front end's lock)
+
+    def put(self, item: tuple) -> None:
+        """From any thread, onto the waiter's own loop (a closed loop: nobody waits)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
 
 
 def _replica_failed(err: BaseException) -> StateError:

@@ -377,6 +377,16 @@ class Coordinator:
         return RequestView(req.rid, req.state, req.target, req.tier, tuple(req.tokens),
                            req.prompt_len, req.num_generated, req.finish_reason)
 
+    def generated(self, request_id: RequestId, start: int = 0) -> tuple[int, ...]:
+        """Tokens the request generated from index ``start`` on (for streaming: O(new), where
+        ``view`` copies the whole sequence)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(request_id)
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        return tuple(req.tokens[req.prompt_len + start:])
+
     def request_ids(self) -> tuple[RequestId, ...]:
         return tuple(self._requests)
 

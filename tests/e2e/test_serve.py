@@ -130,6 +130,47 @@ def test_http_round_trip_and_errors_name_the_bad_value(app):
     assert m["records"] == 0
 
 
+def test_streams_concatenate_to_the_full_answer_over_handle_and_http(app):
+    """Streamed chunks (handle generator and HTTP JSON lines) concatenate to the tokens the
+    unstreamed call returns, which equal full-resident decode; a long answer arrives in more
+    than one chunk; a stream abandoned half way is aborted and frees its blocks."""
+    from hisparse_ray.actors.reference import full_resident_tokens
+
+    handle, url = app
+    rng = random.Random(13)
+    prompt = [rng.randrange(1, 96) for _ in range(160)]
+    chunks = list(handle.options(stream=True).generate_stream.remote(ids=prompt,
+                                                                      max_new_tokens=24))
+    final = chunks[-1]
+    assert final["done"] and all("done" not in c for c in chunks[:-1])
+    streamed = [t for c in chunks[:-1] for t in c["tokens"]]
+    assert streamed == final["tokens"]
+    assert len(chunks) > 2, "24 tokens over several decode steps came in one chunk"
+    expected = full_resident_tokens(_specs()[0].model, [prompt], 24, ["s"])["s"]
+    assert final["tokens"] == expected
+
+    req = urllib.request.Request(url, data=json.dumps(
+        {"prompt": "stream me a few tokens", "max_new_tokens": 10, "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=240) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in resp.read().decode().splitlines() if line]
+    assert lines[-1]["done"] and len(lines[-1]["tokens"]) == 10
+    assert "".join(c["text"] for c in lines[:-1]) == lines[-1]["text"]
+    plain = handle.generate.remote(prompt="stream me a few tokens", max_new_tokens=10).result()
+    assert plain["tokens"] == lines[-1]["tokens"]
+    status, body = _post(url, {"ids": [1, 500], "stream": True})  # refused before streaming
+    assert status == 400 and "token id 500" in body["error"]
+    status, body = _post(url, {"ids": [1], "stream": "yes"})
+    assert status == 400 and "stream='yes'" in body["error"]
+
+    gen = handle.options(stream=True).generate_stream.remote(ids=prompt, max_new_tokens=900)
+    first = next(iter(gen))
+    assert first["tokens"] and "done" not in first
+    gen.cancel()
+    assert _settled(handle)["records"] == 0
+
+
 def test_cancelled_and_timed_out_requests_release_every_block(app):
     handle, _ = app
     coord = handle.coordinator.remote().result()
