@@ -41,8 +41,10 @@ class Book(RuleBasedStateMachine):
             with pytest.raises(DuplicateRequestError):
                 self.book.add(_rec(rid))
         else:
-            self.book.add(_rec(rid))
+            self.book.add(_rec(rid))  # an id forgotten by the bounded memory comes back new:
             self.flight.add(rid)
+            self.discarded.discard(rid)  # nothing of its earlier life applies
+            self.handed.discard(rid)
 
     @precondition(lambda self: self.flight)
     @rule(data=st.data())
