@@ -53,6 +53,9 @@ DEFAULTS: dict[str, Any] = {
     "request_timeout_s": 600.0,
     "num_replicas": 1, "max_ongoing_requests": 64,
     "health_check_period_s": 10.0,  # how soon Serve notices a failed replica and replaces it
+    # pin the decode replica / the prefill worker to nodes offering these custom resources
+    # (multi-node prefill/decode: e.g. {"decode_node": 0.01} and {"prefill_node": 0.01})
+    "decode_resources": None, "prefill_resources": None,
 }
 POLL_S = 1.0  # the poller's longest wait on the coordinator (a shutdown is noticed within it)
 _REQUEST_KEYS = ("prompt", "ids", "max_new_tokens", "eos_token_id", "stream")
@@ -88,7 +91,9 @@ class HiSparseServer:
         self.vocab_size = int(replica_spec.model.dsa_config().vocab_size)
         self.tokenizer = ByteTokenizer() if self.vocab_size == ByteTokenizer.vocab_size else None
         t0 = time.monotonic()
-        self.replica = launch.launch_deployment(replica_spec, prefill_spec)
+        self.replica = launch.launch_deployment(
+            replica_spec, prefill_spec, decode_resources=self.options["decode_resources"],
+            prefill_resources=self.options["prefill_resources"])
         log.info("HiSparse deployment up in %.1f s (TP %d)", time.monotonic() - t0,
                  replica_spec.tp_size)
         self._coord = self.replica.coordinator
@@ -448,6 +453,12 @@ def build_app(options: dict[str, Any] | None = None):
             raise ConfigError(key, opts[key], "seconds > 0") from None
         if not opts[key] > 0:
             raise ConfigError(key, opts[key], "seconds > 0")
+    for key in ("decode_resources", "prefill_resources"):
+        v = opts[key]
+        if v is not None and not (isinstance(v, dict) and all(
+                isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool)
+                and x > 0 for k, x in v.items())):
+            raise ConfigError(key, v, "None or a dict of resource name -> amount > 0")
     replica_spec, prefill_spec = _specs(opts)
     dep = serve.deployment(
         HiSparseServer, name="hisparse", num_replicas=opts["num_replicas"],

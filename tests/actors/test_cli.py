@@ -90,6 +90,8 @@ def test_serve_options_are_checked_before_anything_starts(capsys):
         build_app({"request_timeout_s": -1})
     with pytest.raises(ConfigError, match="top_k"):
         build_app({"config": {**cli.DEMO_CONFIG, "top_k": 64}})
+    with pytest.raises(ConfigError, match="decode_resources"):
+        build_app({"decode_resources": {"decode_node": 0}})
     app = build_app({"num_replicas": "2", "tp": 1, "device": "cpu"})  # `serve run k=v` strings
     assert app is not None
     bad = json.dumps({**cli.DEMO_CONFIG, "top_k": 64})

@@ -40,6 +40,7 @@ def main() -> int:
             rows = ray.get(replica.coordinator.wait.remote(rids, 300))
         finally:
             replica.shutdown()
+        served = _serve_across_nodes(prompts[:2])
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -50,8 +51,35 @@ def main() -> int:
         "rows": [{k: r[k] for k in ("request_id", "target", "landing_path", "tokens", "error")}
                  for r in rows],
         "reference": ref,
+        "serve": served,
     }))
     return 0
+
+
+def _serve_across_nodes(prompts: list[list[int]]) -> dict | None:
+    """The same split through the Ray Serve front end (None without Ray Serve installed): the
+    Serve replica's decode replica on the head node, its prefill worker on the second node."""
+    try:
+        from ray import serve
+    except ImportError:
+        return None
+    from hisparse_ray.serve import build_app
+
+    serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on either node
+    try:
+        handle = serve.run(build_app({
+            "tp": 2, "device_blocks": 12, "device": "cpu",
+            "decode_resources": {"decode_node": 0.01},
+            "prefill_resources": {"prefill_node": 0.01}}), name="mn", route_prefix=None)
+        outs = [handle.generate.remote(ids=p, max_new_tokens=6) for p in prompts]
+        tokens = [o.result(timeout_s=300)["tokens"] for o in outs]
+        actors = handle.actors.remote().result()
+        return {"tokens": tokens,
+                "decode_nodes": sorted({ray.get(r.node_info.remote())["node_id"]
+                                        for r in actors["ranks"]}),
+                "prefill_node": ray.get(actors["prefill"][0].node_info.remote())["node_id"]}
+    finally:
+        serve.shutdown()
 
 
 if __name__ == "__main__":

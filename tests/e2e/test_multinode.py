@@ -29,3 +29,13 @@ def test_prefill_and_decode_on_different_nodes_match_full_resident():
         assert row["error"] is None
         assert row["tokens"] == result["reference"][row["request_id"]]
         assert len(row["tokens"]) == 6
+    served = result["serve"]
+    try:
+        import ray.serve  # noqa: F401
+        assert served is not None, "Ray Serve is installed but the Serve run did not happen"
+    except ImportError:
+        pass
+    if served is not None:  # the Ray Serve front end, pinned the same way
+        assert served["decode_nodes"] == result["decode_nodes"]
+        assert served["prefill_node"] == result["prefill_node"]
+        assert served["tokens"] == [result["reference"][f"mn{i}"] for i in range(2)]
