@@ -35,8 +35,10 @@ def app(ray_cluster):
     from hisparse_ray.serve import build_app
 
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    handle = serve.run(build_app(OPTIONS), name="hisparse-test", route_prefix="/")
+    quiet = {"log_level": "WARNING"}  # not a line per request in the test log
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
+    handle = serve.run(build_app(OPTIONS), name="hisparse-test", route_prefix="/",
+                       logging_config=quiet)
     try:
         yield handle, f"http://127.0.0.1:{port}/"
     finally:
