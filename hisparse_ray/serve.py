@@ -123,7 +123,8 @@ class HiSparseServer:
                 raise InvalidRequestError("-", "this model has no built-in tokenizer: send 'ids'")
             return self.tokenizer.encode(prompt)
         if not isinstance(ids, (list, tuple)) or not ids:
-            raise InvalidRequestError("-", f"ids={ids!r:.80} must be a non-empty list of token ids")
+            raise InvalidRequestError("-", f"ids={ids!r:.80} must be a non-empty list of "
+                                           f"token ids")
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise InvalidRequestError("-", f"token id {t!r} is not an int in "
