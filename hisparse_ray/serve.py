@@ -18,9 +18,10 @@ them). Each request gets a fresh id (this front end's prefix + a uuid4); one pol
 Serve replica collects its finished requests with ``Coordinator.take_done``, which also drops
 their records, so a long-running server keeps no per-request state after answering. A request
 whose caller goes away (HTTP client disconnect, ``DeploymentResponse.cancel()``) or that outlives
-``request_timeout_s`` is aborted on the coordinator, which releases its device and host blocks. Serve's health check asks the coordinator;
-a replica that failed (fenced, rank lost) reports unhealthy and Serve replaces it, and a Serve
-replica that stops shuts its HiSparse deployment down.
+``request_timeout_s`` is aborted on the coordinator, which releases its device and host blocks.
+Serve's health check asks the coordinator: a replica that failed (fenced, rank lost) reports
+unhealthy and Serve replaces it, and a Serve replica that stops shuts its HiSparse deployment
+down.
 
 ``num_replicas`` > 1 gives each Serve replica its own prefill worker and decode replica (each
 decode replica is one placement group: its ranks share ``/dev/shm`` and CUDA IPC).
