@@ -15,7 +15,7 @@ workers may sit on any node. Start-up of a replica, in order:
 
 from __future__ import annotations
 
-import itertools
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,6 @@ DECODE_WORKER_CONCURRENCY = 8
 PREFILL_CONCURRENCY = 4
 PLACEMENT_TIMEOUT_S = 120.0
 
-_pg_ids = itertools.count()
 
 
 def _remote(cls: type, **options: Any):
@@ -92,8 +91,10 @@ def replica_placement_group(spec: ReplicaSpec, resources: dict[str, float] | Non
                             timeout_s: float = PLACEMENT_TIMEOUT_S) -> PlacementGroup:
     """A ready STRICT_PACK placement group for one decode replica (TimeoutError if it cannot be
     placed, e.g. no node has the GPUs, and then nothing is left reserved)."""
+    # Placement group names are cluster-wide: several launching processes, on any node (Serve
+    # replicas, jobs), may start replicas of one spec, so the name carries a random token.
     pg = placement_group(replica_bundles(spec, resources), strategy="STRICT_PACK",
-                         name=f"hisparse-{spec.replica_id}-{next(_pg_ids)}")
+                         name=f"hisparse-{spec.replica_id}-{secrets.token_hex(4)}")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)

@@ -24,7 +24,8 @@ unhealthy and Serve replaces it, and a Serve replica that stops shuts its HiSpar
 down.
 
 ``num_replicas`` > 1 gives each Serve replica its own prefill worker and decode replica (each
-decode replica is one placement group: its ranks share ``/dev/shm`` and CUDA IPC).
+decode replica is one placement group: its ranks share ``/dev/shm`` and CUDA IPC); Serve spreads
+requests over them (tests/e2e/test_serve_replicas.py).
 """
 
 from __future__ import annotations
