@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import threading
 import time
@@ -32,10 +31,13 @@ import uuid
 from pathlib import Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _in_threads(fn, items) -> None:
+    """``fn(item)`` for every item at once, one thread each; returns when all are done."""
+    threads = [threading.Thread(target=fn, args=(x,)) for x in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def _stats(name: str, wall: float, lat: list[float], extra: dict | None = None) -> dict:
@@ -84,11 +86,7 @@ def run_http(url, prompts, new_tokens) -> dict:
         with lock:
             lat.append(time.perf_counter() - t0)
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(one, prompts)
     assert len(lat) == len(prompts), "an HTTP request failed"
     return _stats("http", time.perf_counter() - t0, lat)
 
@@ -112,11 +110,7 @@ def run_stream(handle, prompts, new_tokens) -> dict:
                 with lock:
                     lat.append(time.perf_counter() - t0)
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(one, prompts)
     return _stats("stream", time.perf_counter() - t0, lat,
                   {"first_chunk_p50_s": statistics.median(first)})
 
@@ -133,11 +127,12 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from hisparse_ray.actors.tp import free_port
     from hisparse_ray.serve import build_app
 
     ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=False)
-    port = _free_port()
+    port = free_port("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING"})
     t0 = time.perf_counter()

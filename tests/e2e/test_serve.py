@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 import ray
+
+from hisparse_ray.actors.tp import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
 
@@ -24,17 +25,11 @@ OPTIONS = {"tp": 2, "device_blocks": 12, "max_new_tokens": 6, "max_new_tokens_li
            "health_check_period_s": 2}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app(ray_cluster):
     from hisparse_ray.serve import build_app
 
-    port = _free_port()
+    port = free_port("127.0.0.1")
     quiet = {"log_level": "WARNING"}  # not a line per request in the test log
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
     handle = serve.run(build_app(OPTIONS), name="hisparse-test", route_prefix="/",
@@ -355,7 +350,7 @@ def test_the_serve_command_answers_http_and_stops_on_ctrl_c(tmp_path):
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port("127.0.0.1")
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
