@@ -15,8 +15,10 @@ Facts from transformers 5.23.0 (``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``):
   position ``n-1`` after the new key is appended) the candidates are **all positions 0..n-1, including
   the current one**; with ``n <= index_topk`` every position is selected.
 * Equal scores (common: ``relu`` zeroes a key for every head whose weight is positive, so scores tie at
-  0.0) are ordered by ``torch.topk``; our batched decode pads keys to the longest row, so a tie at the
-  k-th place may be broken differently from HF's per-request call (both are valid top-k sets).
+  0.0) are broken by position, lower first (:func:`select_topk`): the selection of a row is then the
+  same whatever its padded length or batch, so a prefix reused from another request's prefill is the
+  KV a fresh prefill would write. HF's ``torch.topk`` breaks such ties arbitrarily; both are valid
+  top-k sets, so HF comparisons use models whose scores do not tie at the k-th place.
 * ``indexer_types == "shared"`` layers (GLM) have no indexer module at all and reuse the top-k of the
   most recent full layer.
 """
@@ -33,13 +35,36 @@ from hisparse_ray.model.rope import rotate_half_split, rotate_interleaved
 
 def select_topk(scores: Tensor, k: int) -> Tensor:
     """``scores [..., N]`` fp32 with ``-inf`` at invalid keys -> ``[..., k]`` int64 positions, -1 where
-    fewer than ``k`` keys are valid. Ties are broken by ``torch.topk``, as HF does."""
-    kk = min(k, scores.shape[-1])
-    vals, idx = scores.topk(kk, dim=-1)
-    idx = idx.masked_fill(vals == float("-inf"), -1)
+    fewer than ``k`` keys are valid.
+
+    The one selection rule of the project (reference, CUDA path and fast path): higher score first,
+    **equal scores by lower position**, so the selected set and its order depend only on the scores
+    of the valid keys, never on ``N`` (a row's padded length), the batch, or the device. ``-0.0``
+    counts as ``0.0``. ``torch.topk`` alone breaks ties by its internal algorithm, which differs with
+    the row length: a prefix reused from a longer prompt's prefill then selected other rows than a
+    fresh prefill (issue #15). Each score becomes one distinct int64 key: its order-preserving
+    32-bit pattern in the high half, ``2**32 - 1 - position`` in the low half; top-k of distinct
+    keys is unique, on every device and in CUDA graphs.
+    """
+    N = scores.shape[-1]
+    kk = min(k, N)
+    if N >= 1 << 32:
+        raise ValueError(f"select_topk: {N} keys exceed the 2**32 positions a key can encode")
+    s = scores.float() + 0.0  # -0.0 + 0.0 == +0.0: one bit pattern per value
+    bits = s.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # monotone in s
+    pos = torch.arange(N, device=scores.device, dtype=torch.int64)
+    key = ordered * (1 << 32) + ((1 << 32) - 1 - pos)
+    top = key.topk(kk, dim=-1).values
+    idx = (1 << 32) - 1 - (top & 0xFFFFFFFF)
+    idx = idx.masked_fill(top < NEG_INF_KEY_BOUND, -1)
     if kk < k:
         idx = F.pad(idx, (0, k - kk), value=-1)
     return idx
+
+
+# keys of -inf scores (masked keys) are below this bound; every finite score is above it
+NEG_INF_KEY_BOUND = (int(torch.tensor(float("-inf")).view(torch.int32)) ^ 0x7FFFFFFF) * (1 << 32) + (1 << 32)
 
 
 class Indexer(nn.Module):

@@ -88,3 +88,29 @@ def test_select_topk_pads_with_minus_one():
     s = torch.tensor([[3.0, float("-inf"), 1.0], [0.5, 2.0, 1.0]])
     got = select_topk(s, 4)
     assert got.tolist() == [[0, 2, -1, -1], [1, 2, 0, -1]]
+
+
+def test_select_topk_breaks_ties_by_lower_position():
+    z = -0.0
+    s = torch.tensor([[0.0, 1.0, z, 0.0, 2.0, float("-inf"), 0.0]])
+    assert select_topk(s, 5).tolist() == [[4, 1, 0, 2, 3]]
+    assert select_topk(s, 8).tolist() == [[4, 1, 0, 2, 3, 6, -1, -1]]  # -inf never selected
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_select_topk_does_not_depend_on_padding_or_batch(seed):
+    """Many exact ties (few distinct values): a row's selection is the same whatever its padded
+    length and whatever other rows share the batch (the rule prefix reuse relies on)."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = 300, 16
+    row = torch.randint(0, 4, (n,), generator=g).float() * torch.rand(1, generator=g)
+    alone = select_topk(row[None], k)
+    for pad in (0, 1, 77, 1000):
+        padded = torch.cat([row, torch.full((pad,), float("-inf"))])
+        other = torch.randint(0, 4, (3, n + pad), generator=g).float()
+        batch = torch.cat([other[:1], padded[None], other[1:]])
+        assert torch.equal(select_topk(batch, k)[1], alone[0])
+        assert torch.equal(select_topk(padded[None], k)[0], alone[0])
+    # the selection equals a stable descending sort's first k
+    ref = torch.sort(row, descending=True, stable=True).indices[:k]
+    assert alone[0].tolist() == ref.tolist()
