@@ -18,11 +18,11 @@ from typing import Any
 
 import ray
 
-from hisparse_ray.actors.landing import RankEndpoint, StagingPool
+from hisparse_ray.landing.plan import RankEndpoint, StagingPool
 from hisparse_ray.actors.lander import Lander
-from hisparse_ray.actors.records import RecordBook, RequestRecord
-from hisparse_ray.actors.spec import ReplicaSpec
-from hisparse_ray.channel import ChannelPair
+from hisparse_ray.core.records import RecordBook, RequestRecord
+from hisparse_ray.deploy import ReplicaSpec
+from hisparse_ray.channel.ring import ChannelPair
 from hisparse_ray.core.config import CoordinatorConfig
 from hisparse_ray.core.coordinator import Coordinator as CoreCoordinator
 from hisparse_ray.errors import (

@@ -16,17 +16,18 @@ import ray
 import torch
 
 from hisparse_ray.actors import tp
-from hisparse_ray.actors.landing import (
+from hisparse_ray.landing.plan import (
     RankEndpoint, RankLandingStep, copy_runs, group_notif, layer_group, unpack, unstage_runs,
 )
-from hisparse_ray.actors.spec import ReplicaSpec
-from hisparse_ray.channel import ChannelPair, ChannelSpec
+from hisparse_ray.deploy import ReplicaSpec
+from hisparse_ray.channel.ring import ChannelPair, ChannelSpec
 from hisparse_ray.errors import (
     ChannelClosedError, ChannelPeerLostError, ChannelTimeoutError, StateError,
     TransferTimeoutError,
 )
-from hisparse_ray.hostpool import HostPool
-from hisparse_ray.transfer import NixlTransferEngine, TransferEngine, stepcodec
+from hisparse_ray.host.pool import HostPool
+from hisparse_ray.channel import stepcodec
+from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
 
 POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle
 CANCELLED_MEMORY = 4096  # failed landings remembered per rank (to stop their late calls)
@@ -54,7 +55,7 @@ class DecodeWorker:
         self._engine = engine
         self.engine: TransferEngine | None = None  # this rank's NIXL agent, after build()
         self.pool: HostPool | None = None
-        self.executor: Any = None  # hisparse_ray.worker.HiSparseWorker, after build()
+        self.executor: Any = None  # hisparse_ray.rank.executor.HiSparseWorker, after build()
         self.staging: list[torch.Tensor] = []
         self.key_staging: torch.Tensor | None = None  # [L, staging rows, key_row_bytes] uint8
         # requests whose landing failed: their waits stop (ids are never reused by a coordinator);
@@ -87,7 +88,7 @@ class DecodeWorker:
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "ip": tp.node_ip(), "gpu": str(gpu) if gpu is not None else None,
                 "tp_backend": dist.get_backend() if dist.is_initialized() else None,
-                # the step channel's C hot path (hisparse_ray._wire) is built and on here
+                # the step channel's C hot path (hisparse_ray.channel._wire) is built and on here
                 "native_wire": stepcodec.NATIVE is not None}
 
     def rendezvous(self) -> tp.Rendezvous:
@@ -121,7 +122,7 @@ class DecodeWorker:
 
     def build(self) -> RankEndpoint:
         """Model shard, runtime + step executor, NIXL regions; returns this rank's endpoint."""
-        from hisparse_ray.worker import HiSparseWorker
+        from hisparse_ray.rank.executor import HiSparseWorker
 
         if self.pool is None:
             raise StateError("build() before the host pool was created/attached")
@@ -229,7 +230,7 @@ class DecodeWorker:
         replica without key staging; they travel through Ray's object store). Calls of different
         chunks may run at once (the lander pipelines chunks); each copy runs under the executor
         lock, so never inside a decode step. Returns the seconds of the staging -> host copy
-        (0.0 without one). ``step`` may come as :func:`~hisparse_ray.actors.landing.pack`'s bytes."""
+        (0.0 without one). ``step`` may come as :func:`~hisparse_ray.landing.plan.pack`'s bytes."""
         t_enter = time.perf_counter()
         step = unpack(step)
         rid = step.request_id

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from hisparse_ray.actors.landing import (
+from hisparse_ray.landing.plan import (
     LandingOrder, StagingPool, chunk_pages, lease_run, pack, page_positions, plan_chunk,
 )
 from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutError

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from hisparse_ray.actors.spec import PrefillSpec, ReplicaSpec
+from hisparse_ray.deploy import PrefillSpec, ReplicaSpec
 
 # Coordinator: method calls (submit, wait, metrics) run on a thread pool beside its step thread.
 COORDINATOR_CPUS = 0.25

@@ -26,9 +26,9 @@ import statistics
 import sys
 import time
 
-from hisparse_ray.channel import ChannelPair, WaitPolicy, futex_available
-from hisparse_ray.transfer.codec import WireCodec
-from hisparse_ray.transfer.stepcodec import _MEMO, StepCodec
+from hisparse_ray.channel.ring import ChannelPair, WaitPolicy, futex_available
+from hisparse_ray.channel.codec import WireCodec
+from hisparse_ray.channel.stepcodec import _MEMO, StepCodec
 from hisparse_ray.types import (
     Backup,
     BatchRow,

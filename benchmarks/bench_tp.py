@@ -34,7 +34,7 @@ import ray
 import torch
 
 from hisparse_ray.actors import launch
-from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
+from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
 
 def profile_summary(path: str, top: int = 10) -> list[tuple[float, str]]:
     """Where a rank's step thread spends its samples (``py-spy --format raw``): the ``top``

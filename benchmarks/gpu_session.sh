@@ -116,7 +116,7 @@ case "${1:-run}" in
         exit 0 ;;
       wire)  # ~5 min: the C hot path built here?, its tests, bench_wire, control plane Python vs C
         gcc --version | head -1; python3 -c "import sysconfig, os; h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); print('Python.h', os.path.exists(h))"
-        python3 -c "from hisparse_ray.transfer.stepcodec import NATIVE; print('native wire:', NATIVE)"
+        python3 -c "from hisparse_ray.channel.stepcodec import NATIVE; print('native wire:', NATIVE)"
         timeout 90 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_native_wire.py \
           tests/transfer/test_stepcodec.py tests/transfer/test_channel.py 2>&1 | tail -2
         timeout 60 python3 benchmarks/bench_wire.py --out "$OUT/wire.json" 2>&1 | tail -9

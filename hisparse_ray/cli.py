@@ -83,7 +83,7 @@ def gpus_per_rank(flag: float | None, tp: int, gpus: int) -> float:
 
 
 def _specs(args: argparse.Namespace, cfg: HiSparseConfig):
-    from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
+    from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
 
     gpu = _use_gpu(args.device)
     model = ModelSpec(kind=args.model, seed=args.seed, dtype=args.dtype)
@@ -131,7 +131,7 @@ def reference_tokens(model_spec, requests: list[tuple[str, list[int]]], max_new_
                      device: str = "cpu") -> dict[str, list[int]]:
     """The same prompts through the in-process engine in full-resident mode (greedy), on the
     device the decode ranks used."""
-    from hisparse_ray.actors.reference import full_resident_tokens
+    from hisparse_ray.testing.full_resident import full_resident_tokens
 
     return full_resident_tokens(model_spec, [p for _, p in requests], max_new_tokens,
                                 [rid for rid, _ in requests], device=device)

@@ -21,9 +21,9 @@ from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.core.config import CoordinatorConfig
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import ConfigError, DuplicateRequestError, InvalidRequestError, StateError
-from hisparse_ray.hostpool import HostPool
+from hisparse_ray.host.pool import HostPool
 from hisparse_ray.types import RequestId, RequestState
-from hisparse_ray.worker import HiSparseWorker, SamplingParams
+from hisparse_ray.rank.executor import HiSparseWorker, SamplingParams
 
 _ids = itertools.count()
 

@@ -10,7 +10,7 @@ FORBIDDEN = ("torch", "ray", "cupy", "nixl", "numpy")
 def test_core_imports_no_heavy_packages():
     code = (
         "import sys, json\n"
-        "import hisparse_ray.core, hisparse_ray.core.random_driver, hisparse_ray.types\n"
+        "import hisparse_ray.core, hisparse_ray.testing.random_driver, hisparse_ray.types\n"
         f"print(json.dumps(sorted(m for m in {FORBIDDEN!r} if m in sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
