@@ -18,16 +18,16 @@ from typing import Any
 
 import ray
 
-from hisparse_ray.landing.plan import RankEndpoint, StagingPool
 from hisparse_ray.actors.lander import Lander
+from hisparse_ray.channel.ring import ChannelPair
+from hisparse_ray.config import CoordinatorConfig
+from hisparse_ray.core.coordinator import Coordinator as CoreCoordinator
 from hisparse_ray.core.records import RecordBook, RequestRecord
 from hisparse_ray.deploy import ReplicaSpec
-from hisparse_ray.channel.ring import ChannelPair
-from hisparse_ray.core.config import CoordinatorConfig
-from hisparse_ray.core.coordinator import Coordinator as CoreCoordinator
 from hisparse_ray.errors import (
     ChannelError, DuplicateRequestError, HiSparseError, StateError, UnknownRequestError,
 )
+from hisparse_ray.landing.plan import RankEndpoint, StagingPool
 from hisparse_ray.types import Admission, RequestId, RequestState
 
 IDLE_WAIT_S = 0.02

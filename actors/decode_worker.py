@@ -16,17 +16,17 @@ import ray
 import torch
 
 from hisparse_ray.actors import tp
-from hisparse_ray.landing.plan import (
-    RankEndpoint, RankLandingStep, copy_runs, group_notif, layer_group, unpack, unstage_runs,
-)
-from hisparse_ray.deploy import ReplicaSpec
+from hisparse_ray.channel import stepcodec
 from hisparse_ray.channel.ring import ChannelPair, ChannelSpec
+from hisparse_ray.deploy import ReplicaSpec
 from hisparse_ray.errors import (
     ChannelClosedError, ChannelPeerLostError, ChannelTimeoutError, StateError,
     TransferTimeoutError,
 )
 from hisparse_ray.host.pool import HostPool
-from hisparse_ray.channel import stepcodec
+from hisparse_ray.landing.plan import (
+    RankEndpoint, RankLandingStep, copy_runs, group_notif, layer_group, unpack, unstage_runs,
+)
 from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
 
 POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle

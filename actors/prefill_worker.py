@@ -11,11 +11,11 @@ import time
 
 import torch
 
+from hisparse_ray.deploy import PrefillSpec
+from hisparse_ray.errors import CapacityError, StateError
 from hisparse_ray.landing.plan import (
     LandingOrder, PrefillResult, group_notif, split_by_memory_kind, unpack, write_groups,
 )
-from hisparse_ray.deploy import PrefillSpec
-from hisparse_ray.errors import CapacityError, StateError
 from hisparse_ray.transfer import (
     MemKind, NixlTransferEngine, PreparedWrite, TransferEngine, WriteSegment, discard_prepared,
     prepare_writes, write_all_with_retry,

@@ -26,8 +26,8 @@ import statistics
 import sys
 import time
 
-from hisparse_ray.channel.ring import ChannelPair, WaitPolicy, futex_available
 from hisparse_ray.channel.codec import WireCodec
+from hisparse_ray.channel.ring import ChannelPair, WaitPolicy, futex_available
 from hisparse_ray.channel.stepcodec import _MEMO, StepCodec
 from hisparse_ray.types import (
     Backup,

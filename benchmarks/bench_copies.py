@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from hisparse_ray.host import copies
 from hisparse_ray.config import KVLayout
+from hisparse_ray.host import copies
 from hisparse_ray.host.pool import HostPool
 
 

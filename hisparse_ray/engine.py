@@ -17,13 +17,12 @@ from typing import Any, Sequence
 
 import torch
 
-from hisparse_ray.config import HiSparseConfig, KVLayout
-from hisparse_ray.core.config import CoordinatorConfig
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import ConfigError, DuplicateRequestError, InvalidRequestError, StateError
 from hisparse_ray.host.pool import HostPool
-from hisparse_ray.types import RequestId, RequestState
 from hisparse_ray.rank.executor import HiSparseWorker, SamplingParams
+from hisparse_ray.types import RequestId, RequestState
 
 _ids = itertools.count()
 

@@ -19,6 +19,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from hisparse_ray.channel.codec import Codec
+from hisparse_ray.channel.futex import futex_available, futex_wait, futex_wake
+from hisparse_ray.channel.stepcodec import NATIVE, StepCodec
 from hisparse_ray.errors import (
     ChannelClosedError,
     ChannelError,
@@ -26,10 +29,7 @@ from hisparse_ray.errors import (
     ChannelTimeoutError,
     MessageTooLargeError,
 )
-from hisparse_ray.channel.futex import futex_available, futex_wait, futex_wake
 from hisparse_ray.host.segment import pid_alive as _pid_alive
-from hisparse_ray.channel.codec import Codec
-from hisparse_ray.channel.stepcodec import NATIVE, StepCodec
 
 SHM_DIR = "/dev/shm"
 DEFAULT_PREFIX = "hsr-ch-"

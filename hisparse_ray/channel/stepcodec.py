@@ -44,9 +44,9 @@ from itertools import chain
 from typing import Any
 
 from hisparse_ray import types as wire
+from hisparse_ray.channel.codec import PickleCodec, _fast_constructor
 from hisparse_ray.config import env_flag
 from hisparse_ray.errors import ChannelError
-from hisparse_ray.channel.codec import PickleCodec, _fast_constructor
 
 TAG_FALLBACK, TAG_COMMAND, TAG_REPORT, TAG_REPORT_BIN = 0, 1, 2, 3
 _ALL_HOT_SAME = 1  # flags bit: every batch row's hot_blocks equals its previous row's

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from hisparse_ray.config import HiSparseConfig, KVLayout
-from hisparse_ray.host.copies import CopyHandle, backup_rows, fill_rows, restore_pages, spill_pages
 from hisparse_ray.errors import ConfigError, StateError
+from hisparse_ray.host.copies import CopyHandle, backup_rows, fill_rows, restore_pages, spill_pages
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.cache import IndexerKeyCache
 from hisparse_ray.rank.runtime import HiSparseCacheHandle, HiSparseRuntime

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import random
 
-from hisparse_ray.core.config import CoordinatorConfig
+from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.core.coordinator import Coordinator
-from hisparse_ray.testing.reference_worker import ReferenceWorker
 from hisparse_ray.errors import (
     CapacityError, DoubleFreeError, DuplicateRequestError, StateError,
     UnknownRankError, UnknownRequestError, UnknownTransferError,
 )
+from hisparse_ray.testing.reference_worker import ReferenceWorker
 from hisparse_ray.types import Rank, RequestState, StepReport, TransferId
 
 

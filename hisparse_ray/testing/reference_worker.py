@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from hisparse_ray.core.config import CoordinatorConfig
+from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.types import (
     NO_BLOCK, Admission, LandingTarget, Rank, StepCommand, StepReport, TransferKind,
 )

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from hisparse_ray.landing.plan import LandingDest, LandingOrder
 from hisparse_ray.actors.prefill_worker import PrefillWorker
 from hisparse_ray.deploy import PrefillSpec
 from hisparse_ray.errors import CapacityError, StateError, TransferError
+from hisparse_ray.landing.plan import LandingDest, LandingOrder
 from hisparse_ray.transfer import NixlTransferEngine
 
 pytestmark = [pytest.mark.nixl]

@@ -18,8 +18,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hisparse_ray import types as T
-from hisparse_ray.errors import ChannelError
 from hisparse_ray.channel.stepcodec import NATIVE, TAG_COMMAND, TAG_REPORT_BIN, StepCodec
+from hisparse_ray.errors import ChannelError
 
 from .test_stepcodec import commands, reports
 

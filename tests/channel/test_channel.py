@@ -18,13 +18,13 @@ from hisparse_ray.channel.ring import (
     WaitPolicy,
     cleanup_stale_segments,
 )
+from hisparse_ray.channel.stepcodec import StepCodec
 from hisparse_ray.errors import (
     ChannelClosedError,
     ChannelError,
     ChannelTimeoutError,
     MessageTooLargeError,
 )
-from hisparse_ray.channel.stepcodec import StepCodec
 from hisparse_ray.types import BatchRow, Rank, RequestId, StepCommand, StepReport
 
 FAST = WaitPolicy(spin_s=0, yield_s=0, min_sleep_s=1e-4, max_sleep_s=1e-3)

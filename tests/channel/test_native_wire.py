@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse_ray import types as T
-from hisparse_ray.channel.ring import ShmChannel
-from hisparse_ray.config import env_flag
 from hisparse_ray.channel import stepcodec
 from hisparse_ray.channel.codec import PickleCodec
+from hisparse_ray.channel.ring import ShmChannel
 from hisparse_ray.channel.stepcodec import NATIVE, TAG_REPORT, TAG_REPORT_BIN, StepCodec
+from hisparse_ray.config import env_flag
 
 from .test_stepcodec import _same, commands, reports
 

@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse_ray import types as T
-from hisparse_ray.errors import ChannelError
 from hisparse_ray.channel.stepcodec import (
     _LAYOUT,
     NATIVE,
@@ -25,6 +24,7 @@ from hisparse_ray.channel.stepcodec import (
     StepCodec,
     layout_matches,
 )
+from hisparse_ray.errors import ChannelError
 
 # every test on both codecs; the C one is built by `pip install -e .` wherever a compiler is
 # (CI has one: test_native_is_built says so)

@@ -70,8 +70,8 @@ def _settled(handle, deadline_s: float = 120.0) -> dict:
 
 
 def test_concurrent_handle_requests_match_full_resident_decode(app):
-    from hisparse_ray.testing.full_resident import full_resident_tokens
     from hisparse_ray.cli import ByteTokenizer
+    from hisparse_ray.testing.full_resident import full_resident_tokens
 
     handle, _ = app
     rng = random.Random(7)

@@ -16,8 +16,8 @@ serve = pytest.importorskip("ray.serve")
 
 
 def test_two_serve_replicas_each_own_a_deployment_and_both_serve_exactly(ray_cluster):
-    from hisparse_ray.testing.full_resident import full_resident_tokens
     from hisparse_ray.serve import DEFAULTS, _specs, build_app
+    from hisparse_ray.testing.full_resident import full_resident_tokens
 
     options = {"tp": 1, "device_blocks": 12, "num_replicas": 2}
     serve.start(proxy_location="Disabled",

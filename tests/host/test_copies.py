@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from hisparse_ray.host import copies
 from hisparse_ray.config import KVLayout
 from hisparse_ray.errors import TransferError
+from hisparse_ray.host import copies
 from hisparse_ray.host.pool import HostPool, list_segments
 
 PREFIX = f"hs-test-copies-{os.getpid()}"

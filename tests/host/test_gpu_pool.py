@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from hisparse_ray.host import copies
 from hisparse_ray.config import GIB, KVLayout
+from hisparse_ray.host import copies
 from hisparse_ray.host.pool import HostPool, list_segments, mem_available_bytes, pool_bytes
 from hisparse_ray.host.segment import MAX_REGISTER_BYTES, register_chunks
 

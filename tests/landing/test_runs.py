@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hisparse_ray.errors import StateError
 from hisparse_ray.landing.plan import (
     LandingDest, StagingPool, chunks, copy_runs, lease_run, page_positions, page_runs,
     group_notif, layer_group, split_by_memory_kind, unstage_runs, write_groups, write_segments,
 )
-from hisparse_ray.errors import StateError
 from hisparse_ray.transfer import MemKind, RegionDesc, coalesce
 
 

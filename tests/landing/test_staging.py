@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hisparse_ray.errors import StateError
 from hisparse_ray.landing.plan import (
     LandingDest, StagingPool, chunks, page_positions, write_segments,
 )
-from hisparse_ray.errors import StateError
 from hisparse_ray.transfer import MemKind, RegionDesc
 
 
