@@ -27,7 +27,8 @@ from hisparse_ray.deploy import ReplicaSpec
 from hisparse_ray.errors import (
     ChannelError, DuplicateRequestError, HiSparseError, StateError, UnknownRequestError,
 )
-from hisparse_ray.landing.plan import RankEndpoint, StagingPool
+from hisparse_ray.landing.staging import StagingPool
+from hisparse_ray.types import RankEndpoint
 from hisparse_ray.types import Admission, RequestId, RequestState
 
 IDLE_WAIT_S = 0.02

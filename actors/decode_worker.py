@@ -24,10 +24,10 @@ from hisparse_ray.errors import (
     TransferTimeoutError,
 )
 from hisparse_ray.host.pool import HostPool
-from hisparse_ray.landing.plan import (
-    RankEndpoint, RankLandingStep, copy_runs, group_notif, layer_group, unpack, unstage_runs,
-)
+from hisparse_ray.landing.plan import group_notif, layer_group, unstage_runs
+from hisparse_ray.rank.landing import copy_runs
 from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
+from hisparse_ray.types import RankEndpoint, RankLandingStep, unpack
 
 POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle
 CANCELLED_MEMORY = 4096  # failed landings remembered per rank (to stop their late calls)
@@ -230,7 +230,7 @@ class DecodeWorker:
         replica without key staging; they travel through Ray's object store). Calls of different
         chunks may run at once (the lander pipelines chunks); each copy runs under the executor
         lock, so never inside a decode step. Returns the seconds of the staging -> host copy
-        (0.0 without one). ``step`` may come as :func:`~hisparse_ray.landing.plan.pack`'s bytes."""
+        (0.0 without one). ``step`` may come as :func:`~hisparse_ray.types.pack`'s bytes."""
         t_enter = time.perf_counter()
         step = unpack(step)
         rid = step.request_id

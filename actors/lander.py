@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutError
-from hisparse_ray.landing.plan import (
-    LandingOrder, StagingPool, chunk_pages, lease_run, pack, page_positions, plan_chunk,
-)
+from hisparse_ray.landing.plan import chunk_pages, page_positions, plan_chunk
+from hisparse_ray.landing.staging import StagingPool, lease_run
+from hisparse_ray.types import LandingOrder, pack
 from hisparse_ray.types import Admission, LandingTarget
 
 PREFILL_TIMEOUT_S = 600.0  # one prompt through the prefill model

@@ -11,8 +11,8 @@ import torch
 from hisparse_ray.actors.prefill_worker import PrefillWorker
 from hisparse_ray.deploy import PrefillSpec
 from hisparse_ray.errors import CapacityError, StateError, TransferError
-from hisparse_ray.landing.plan import LandingDest, LandingOrder
 from hisparse_ray.transfer import NixlTransferEngine
+from hisparse_ray.types import LandingDest, LandingOrder
 
 pytestmark = [pytest.mark.nixl]
 

@@ -17,10 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse_ray.landing.plan import (
-    LandingOrder, RankEndpoint, chunk_pages, copy_runs, group_notif, layer_group, pack,
-    plan_chunk, unpack, unstage_runs, write_groups,
+    chunk_pages, group_notif, layer_group, plan_chunk, unstage_runs,
 )
+from hisparse_ray.landing.segments import write_groups
+from hisparse_ray.rank.landing import copy_runs
 from hisparse_ray.transfer import MemKind, RegionDesc
+from hisparse_ray.types import LandingOrder, RankEndpoint, pack, unpack
 
 R, K = 3, 2  # KV row bytes and key row bytes per (token, layer)
 

@@ -17,10 +17,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hisparse_ray.errors import StateError
 from hisparse_ray.landing.plan import (
-    LandingDest, StagingPool, chunks, copy_runs, lease_run, page_positions, page_runs,
-    group_notif, layer_group, split_by_memory_kind, unstage_runs, write_groups, write_segments,
+    chunks, group_notif, layer_group, page_positions, page_runs, unstage_runs,
 )
+from hisparse_ray.landing.segments import split_by_memory_kind, write_groups, write_segments
+from hisparse_ray.landing.staging import StagingPool, lease_run
+from hisparse_ray.rank.landing import copy_runs
 from hisparse_ray.transfer import MemKind, RegionDesc, coalesce
+from hisparse_ray.types import LandingDest
 
 
 def _regions(n_layers: int, nbytes: int) -> tuple[RegionDesc, ...]:

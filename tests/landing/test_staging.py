@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hisparse_ray.errors import StateError
-from hisparse_ray.landing.plan import (
-    LandingDest, StagingPool, chunks, page_positions, write_segments,
-)
+from hisparse_ray.landing.plan import chunks, page_positions
+from hisparse_ray.landing.segments import write_segments
+from hisparse_ray.landing.staging import StagingPool
 from hisparse_ray.transfer import MemKind, RegionDesc
+from hisparse_ray.types import LandingDest
 
 
 def _regions(n_layers: int, nbytes: int) -> tuple[RegionDesc, ...]:
