@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from hisparse_ray.actors.lander import Lander
-from hisparse_ray.channel.ring import ChannelPair
+from hisparse_ray.channel.pair import ChannelPair
 from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.core.coordinator import Coordinator as CoreCoordinator
 from hisparse_ray.core.records import RecordBook, RequestRecord

@@ -17,7 +17,8 @@ import torch
 
 from hisparse_ray.actors import tp
 from hisparse_ray.channel import stepcodec
-from hisparse_ray.channel.ring import ChannelPair, ChannelSpec
+from hisparse_ray.channel.pair import ChannelPair
+from hisparse_ray.channel.ring import ChannelSpec
 from hisparse_ray.deploy import ReplicaSpec
 from hisparse_ray.errors import (
     ChannelClosedError, ChannelPeerLostError, ChannelTimeoutError, StateError,

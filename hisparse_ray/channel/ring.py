@@ -1,8 +1,8 @@
-"""Shared-memory SPSC message channel for per-step control traffic (adapter ring, standard library).
+"""Shared-memory SPSC message ring for per-step control traffic (adapter ring, standard library).
 
 The coordinator and each co-located TP rank exchange ``StepCommand`` / ``StepReport`` through a pair
-of these instead of Ray actor calls (~1 ms each): a ``/dev/shm`` segment holding a ring of
-length-prefixed encoded messages (``StepCodec`` by default). Waiting spins, then yields, then
+of these (:mod:`hisparse_ray.channel.pair`) instead of Ray actor calls (~1 ms each): a ``/dev/shm``
+segment holding a ring of length-prefixed encoded messages (``StepCodec`` by default). Waiting spins, then yields, then
 blocks on a futex on the peer's position word (woken by the peer's next publish; timed slices
 bound a lost wake-up and notice a dead peer); without futex support it sleeps with backoff.
 """
@@ -446,65 +446,3 @@ class ShmChannel:
         finally:
             if flagged and not self._closed:
                 self._store(my_flag, 0)
-
-
-class ChannelPair:
-    """Both directions between the coordinator and one rank: ``send`` goes out, ``recv`` comes in.
-
-    The coordinator ``create``s (it sends commands, receives reports) and hands ``spec`` to the
-    rank, which ``attach``es (it receives commands, sends reports).
-    """
-
-    def __init__(self, outbox: ShmChannel, inbox: ShmChannel) -> None:
-        assert outbox.role == "sender" and inbox.role == "receiver"
-        self.outbox, self.inbox = outbox, inbox
-
-    @classmethod
-    def create(cls, capacity: int = DEFAULT_CAPACITY, *, prefix: str = DEFAULT_PREFIX,
-               policy: WaitPolicy | None = None, codec: Codec | None = None) -> ChannelPair:
-        out = ShmChannel.create("sender", capacity, prefix=prefix, policy=policy, codec=codec)
-        try:
-            inb = ShmChannel.create("receiver", capacity, prefix=prefix, policy=policy,
-                                    codec=codec)
-        except BaseException:
-            out.close()
-            raise
-        return cls(out, inb)
-
-    @property
-    def spec(self) -> tuple[ChannelSpec, ChannelSpec]:
-        """(creator's outbox, creator's inbox): pass to ``attach`` in the peer process."""
-        return (self.outbox.spec, self.inbox.spec)
-
-    @classmethod
-    def attach(cls, spec: tuple[ChannelSpec, ChannelSpec], *,
-               policy: WaitPolicy | None = None, codec: Codec | None = None) -> ChannelPair:
-        their_out, their_in = spec
-        inb = ShmChannel.attach(their_out, policy=policy, codec=codec)
-        try:
-            out = ShmChannel.attach(their_in, policy=policy, codec=codec)
-        except BaseException:
-            inb.close()
-            raise
-        return cls(out, inb)
-
-    def send(self, obj: Any, timeout: float | None = None) -> None:
-        self.outbox.send(obj, timeout)
-
-    def recv(self, timeout: float | None = None) -> Any:
-        return self.inbox.recv(timeout)
-
-    @property
-    def ready_t(self) -> float:
-        """``perf_counter()`` when the last received message was found, before decoding."""
-        return self.inbox.ready_t
-
-    def close(self) -> None:
-        self.outbox.close()
-        self.inbox.close()
-
-    def __enter__(self) -> ChannelPair:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

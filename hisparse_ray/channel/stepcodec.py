@@ -2,7 +2,7 @@
 wire module). The default codec of ``hisparse_ray.channel.ring``.
 
 Why: the per-step control budget at TP 2 is <= 100 us, and pickling ~100 small frozen dataclasses
-(even flattened, ``WireCodec``) costs about that on its own. A ``StepCommand`` becomes one small
+(even flattened to tuples) costs about that on its own. A ``StepCommand`` becomes one small
 header, the request-id definitions and one little-endian int64 block (``struct``), rebuilt with
 slot-setting constructors; a ``StepReport`` (plain ints, ids and tuples) is ``marshal``ed.
 
@@ -44,7 +44,7 @@ from itertools import chain
 from typing import Any
 
 from hisparse_ray import types as wire
-from hisparse_ray.channel.codec import PickleCodec, _fast_constructor
+from hisparse_ray.channel.codec import PickleCodec, slot_constructor
 from hisparse_ray.config import env_flag
 from hisparse_ray.errors import ChannelError
 
@@ -93,7 +93,7 @@ def _builder(cls: type):
     ``slots=True`` class without ``__post_init__``: allocate all, then set one field across all
     objects per pass (C-level loops; ~20 % cheaper than a constructor call per object)."""
     names = _LAYOUT[cls]
-    make = _fast_constructor(cls, list(names))
+    make = slot_constructor(cls, list(names))
     if make is cls:
         return lambda n, *cols: tuple(map(cls, *cols))
     setters = [getattr(cls, f).__set__ for f in names]
@@ -113,8 +113,8 @@ _rows = _builder(wire.BatchRow)
 _diffs = _builder(wire.TableDiff)
 _xfers = _builder(wire.PageTransfer)
 _backups = _builder(wire.Backup)
-_make_cmd = _fast_constructor(wire.StepCommand, list(_LAYOUT[wire.StepCommand]))
-_make_rep = _fast_constructor(wire.StepReport, list(_LAYOUT[wire.StepReport]))
+_make_cmd = slot_constructor(wire.StepCommand, list(_LAYOUT[wire.StepCommand]))
+_make_rep = slot_constructor(wire.StepReport, list(_LAYOUT[wire.StepReport]))
 _rep_get = operator.attrgetter(*_LAYOUT[wire.StepReport])
 _REPORT_TAG = bytes((TAG_REPORT,))
 # TAG_REPORT_BIN: tag, step, rank, hot_hits, hot_misses (int64), then the lengths of enqueued,
@@ -134,7 +134,7 @@ def _load_native():
         return None
     classes = (wire.BatchRow, wire.TableDiff, wire.PageTransfer, wire.Backup, wire.StepCommand,
                wire.StepReport)
-    if any(_fast_constructor(c, list(_LAYOUT[c])) is c for c in classes):
+    if any(slot_constructor(c, list(_LAYOUT[c])) is c for c in classes):
         return None  # a class with __post_init__ or without slots: only Python builds it
     try:
         _wire.configure(tuple((c, tuple(getattr(c, f) for f in _LAYOUT[c])) for c in classes),

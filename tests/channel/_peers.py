@@ -7,7 +7,8 @@ import random
 import time
 from typing import Iterator
 
-from hisparse_ray.channel.ring import ChannelPair, ShmChannel
+from hisparse_ray.channel.pair import ChannelPair
+from hisparse_ray.channel.ring import ShmChannel
 
 
 def messages(seed: int, n: int, max_len: int) -> Iterator[tuple[int, bytes]]:

@@ -11,13 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_ray.channel.ring import (
-    SHM_DIR,
-    ChannelPair,
-    ShmChannel,
-    WaitPolicy,
-    cleanup_stale_segments,
-)
+from hisparse_ray.channel.pair import ChannelPair
+from hisparse_ray.channel.ring import SHM_DIR, ShmChannel, WaitPolicy, cleanup_stale_segments
 from hisparse_ray.channel.stepcodec import StepCodec
 from hisparse_ray.errors import (
     ChannelClosedError,

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from hisparse_ray import types as T
-from hisparse_ray.channel.ring import ChannelPair, ShmChannel, WaitPolicy, futex_available
+from hisparse_ray.channel.pair import ChannelPair
+from hisparse_ray.channel.ring import ShmChannel, WaitPolicy, futex_available
 from hisparse_ray.errors import ChannelClosedError, ChannelTimeoutError
 
 pytestmark = pytest.mark.skipif(not futex_available(), reason="no futex on this platform")

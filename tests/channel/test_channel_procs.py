@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from hisparse_ray.channel.ring import ChannelPair, ShmChannel
+from hisparse_ray.channel.pair import ChannelPair
+from hisparse_ray.channel.ring import ShmChannel
 from hisparse_ray.errors import ChannelPeerLostError, ChannelTimeoutError
 from tests.channel import _peers
 
