@@ -41,9 +41,9 @@ def app(ray_cluster):
 
 
 def _specs():
-    from hisparse_ray.serve import DEFAULTS, _specs
+    from hisparse_ray.deploy import DeployOptions
 
-    return _specs({**DEFAULTS, **OPTIONS})
+    return DeployOptions.from_dict(OPTIONS).specs()
 
 
 def _post(url: str, body) -> tuple[int, dict]:
@@ -70,7 +70,7 @@ def _settled(handle, deadline_s: float = 120.0) -> dict:
 
 
 def test_concurrent_handle_requests_match_full_resident_decode(app):
-    from hisparse_ray.cli import ByteTokenizer
+    from hisparse_ray.deploy import ByteTokenizer
     from hisparse_ray.testing.full_resident import full_resident_tokens
 
     handle, _ = app
