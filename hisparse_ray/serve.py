@@ -38,12 +38,17 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hisparse_ray.deploy import DeployOptions, PrefillSpec, ReplicaSpec
 from hisparse_ray.errors import (
     CapacityError, ConfigError, HiSparseError, InvalidRequestError, StateError, TransferError,
 )
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from hisparse_ray.actors.coordinator import ReplicaCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +327,7 @@ class HiSparseServer:
                       "failed": repr(self._failed) if self._failed else None}
         return m
 
-    def coordinator(self):
+    def coordinator(self) -> ActorHandle[ReplicaCoordinator]:
         """The decode replica's coordinator actor handle (operations and tests)."""
         return self._coord
 

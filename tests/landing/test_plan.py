@@ -1,26 +1,30 @@
 """The lander's plan of a landing (``chunk_pages`` + ``plan_chunk``), checked by carrying it out on
-in-memory "ranks": every WRITE segment the prefill worker would post (``write_groups``) is applied
-byte for byte to the destination rank's tensors, then each rank's step (staging -> host copies by
-layer group, key copies) runs as ``DecodeWorker.complete_landing`` does it. Hypothesis draws the
+in-memory ranks: every WRITE segment the prefill worker would post (``write_groups``) is applied
+byte for byte to the destination rank's memory and announces its notification, then each rank
+runs its step with the real rank side of a landing (``RankLanding.complete``, what
+``DecodeWorker.complete_landing`` calls): notification waits, staging -> host copies by layer group
+into a real shared-memory host pool, key copies into the request's key cache. Hypothesis draws the
 geometry (layers, page size, prompt length, reused prefix, staging pool size, TP size, path, layer
 groups, key staging or not). Afterwards every pushed page must sit in its target block on the right
-ranks, every rank's key cache must hold every position's keys, and each rank's notification waits
-must match the WRITEs aimed at it. The transport is simulated (a unit test of the code above it);
+ranks, every rank's key cache must hold every position's keys, and no rank may hold a
+notification nobody waited for. The transport is simulated (a unit test of the code above it);
 the end-to-end tests run the same plan over real NIXL."""
 
 from __future__ import annotations
 
 import random
+import threading
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse_ray.landing.plan import (
-    chunk_pages, group_notif, layer_group, plan_chunk, unstage_runs,
-)
+from hisparse_ray.config import KVLayout
+from hisparse_ray.host.pool import HostPool
+from hisparse_ray.landing.plan import chunk_pages, group_notif, plan_chunk
 from hisparse_ray.landing.segments import write_groups
-from hisparse_ray.rank.landing import copy_runs
+from hisparse_ray.model.cache import IndexerKeyCache
+from hisparse_ray.rank.landing import RankLanding
 from hisparse_ray.transfer import MemKind, RegionDesc
 from hisparse_ray.types import LandingOrder, RankEndpoint, pack, unpack
 
@@ -33,30 +37,58 @@ def _pattern(L: int, T: int, width: int, salt: int) -> torch.Tensor:
     return ((l * 89 + t * 7 + b * 3 + salt) % 251 + 1).to(torch.uint8)
 
 
+class _KeyCaches:
+    """A rank's key caches (what ``HiSparseWorker`` offers a landing: ``index`` and
+    ``install_index_keys``), keys as ``K`` raw bytes per (layer, position)."""
+
+    def __init__(self, L: int) -> None:
+        self.L = L
+        self.index: dict[str, IndexerKeyCache] = {}
+
+    def install_index_keys(self, rid: str, keys, capacity: int) -> None:
+        assert keys is None  # key staging: the keys come by WRITE, not by Ray
+        self.index[rid] = IndexerKeyCache(self.L, K, max(capacity, 1), dtype=torch.uint8)
+
+
 class _Rank:
     def __init__(self, r: int, L: int, P: int, n_dev: int, n_host: int, cap: int, keys: bool):
         self.agent = f"rank{r}"
         self.mem: dict[str, torch.Tensor] = {}
-        dev = tuple(self._region(f"dev.{l}", n_dev * P, R, MemKind.DEVICE) for l in range(L))
+        self.inbox: list[tuple[str, bytes]] = []  # notifications the simulated WRITEs announced
+        dev = tuple(self._region(f"dev.{l}", torch.zeros(n_dev * P, R, dtype=torch.uint8),
+                                 MemKind.DEVICE) for l in range(L))
         host = stage = ()
+        self.pool = None
+        staging: list[torch.Tensor] = []
         if r == 0:
-            host = tuple(self._region(f"host.{l}", n_host * P, R, MemKind.HOST) for l in range(L))
-            stage = tuple(self._region(f"stage.{l}", cap * P, R, MemKind.DEVICE)
-                          for l in range(L))
-        key_layers = tuple(self._region(f"keys.{l}", cap * P, K, MemKind.DEVICE)
+            self.pool = HostPool.create(f"plan{r}", KVLayout(num_layers=L, page_size=P,
+                                                             row_bytes=R), n_host,
+                                        register_cuda=False)
+            host = tuple(self._region(f"host.{l}", self.pool.layer(l), MemKind.HOST)
+                         for l in range(L))
+            staging = [torch.zeros(cap * P, R, dtype=torch.uint8) for _ in range(L)]
+            stage = tuple(self._region(f"stage.{l}", t, MemKind.DEVICE)
+                          for l, t in enumerate(staging))
+        key_staging = torch.zeros(L, cap * P, K, dtype=torch.uint8) if keys else None
+        key_layers = tuple(self._region(f"keys.{l}", key_staging[l], MemKind.DEVICE)
                            for l in range(L)) if keys else ()
         self.endpoint = RankEndpoint(r, self.agent, b"", "node", host, dev, stage,
                                      cap if r == 0 else 0, key_layers)
-        self.key_cache: torch.Tensor | None = None
-        self.length = -1
-        self.waited: list[bytes] = []
+        self.caches = _KeyCaches(L)
+        self.landing = RankLanding(r, P, self._take, self.caches, threading.Lock(),
+                                   pool=self.pool, staging=staging, key_staging=key_staging)
 
-    def _region(self, name: str, rows: int, width: int, kind: MemKind) -> RegionDesc:
-        self.mem[name] = torch.zeros(rows, width, dtype=torch.uint8)
-        return RegionDesc(self.agent, name, 0, rows * width, 0, kind)
+    def _take(self) -> list[tuple[str, bytes]]:
+        out, self.inbox = self.inbox, []
+        return out
 
-    def layers(self, prefix: str, L: int) -> list[torch.Tensor]:
-        return [self.mem[f"{prefix}.{l}"] for l in range(L)]
+    def _region(self, name: str, t: torch.Tensor, kind: MemKind) -> RegionDesc:
+        self.mem[name] = t
+        return RegionDesc(self.agent, name, 0, t.numel(), 0, kind)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.destroy()
 
 
 def _apply(seg, send: dict[str, torch.Tensor], ranks: dict[str, _Rank]) -> None:
@@ -80,6 +112,15 @@ def test_a_planned_landing_puts_every_byte_where_decode_reads_it(L, P, T, tp, pa
     blocks = rng.sample(range(n_dev if path == "resident" else n_host), n_pages)
     block = {p: blocks[p] for p in range(reused, n_pages)}
     ranks = [_Rank(r, L, P, n_dev, n_host, cap, keys) for r in range(tp)]
+    try:
+        _land(ranks, L, P, T, path, cap, groups, keys, block, rng)
+    finally:
+        for rk in ranks:
+            rk.close()
+
+
+def _land(ranks, L, P, T, path, cap, groups, keys, block, rng):
+    tp, n_pages = len(ranks), -(-T // P)
     by_agent = {rk.agent: rk for rk in ranks}
     eps = [rk.endpoint for rk in ranks]
     send = {"send": _pattern(L, max(T, 1), R, 0), "send.keys": _pattern(L, max(T, 1), K, 5)}
@@ -112,28 +153,11 @@ def test_a_planned_landing_puts_every_byte_where_decode_reads_it(L, P, T, tp, pa
                 for seg in segs:
                     assert seg.remote.agent == ranks[dest.rank].agent
                     _apply(seg, send, by_agent)
-                if segs:  # the notification the rank waits for
-                    ranks[dest.rank].waited.append(group_notif(dest.notif, g, len(gs)))
+                if segs:  # the WRITE is done: the rank's agent gets its notification
+                    ranks[dest.rank].inbox.append(("prefill", group_notif(dest.notif, g, len(gs))))
         for rk, step in zip(ranks, steps):  # DecodeWorker.complete_landing
-            G = max(1, step.layer_groups)
-            want = [group_notif(step.notif, g, G) for g in range(G)] if step.notif else []
-            assert rk.waited == want, (rk.agent, rk.waited, want)
-            rk.waited = []
-            if step.unstage is not None:
-                first, host_blocks, upages = step.unstage
-                runs = unstage_runs(first, host_blocks, upages, P, T)
-                for g in range(G):
-                    ls = [l for l in range(L) if layer_group(l, L, G) == g]
-                    copy_runs([rk.mem[f"stage.{l}"] for l in ls],
-                              [rk.mem[f"host.{l}"] for l in ls], runs)
-            if step.keys is not None:
-                lo, row, n = step.keys
-                if rk.key_cache is None:
-                    rk.key_cache = torch.zeros(L, step.capacity, K, dtype=torch.uint8)
-                for l in range(L):
-                    rk.key_cache[l, lo:lo + n] = rk.mem[f"keys.{l}"][row:row + n]
-            if step.last:
-                rk.length = step.num_positions
+            rk.landing.complete(unpack(pack(step)))
+            assert not rk.landing.unclaimed, (rk.agent, rk.landing.unclaimed)
     # every pushed page in its block: resident on every rank, host on rank 0 (direct/staged)
     for p, b in block.items():
         lo, n = p * P, min(P, T - p * P)
@@ -143,7 +167,10 @@ def test_a_planned_landing_puts_every_byte_where_decode_reads_it(L, P, T, tp, pa
             for l in range(L):
                 assert torch.equal(rk.mem[f"{prefix}.{l}"][b * P: b * P + n],
                                    send["send"][l, lo:lo + n]), (path, p, l, rk.agent)
+    if path == "staged" and block:  # rank 0 published its host writes
+        assert ranks[0].pool.published() > 0
     for rk in ranks:
-        assert rk.length == T  # the last chunk reached every rank
+        cache = rk.caches.index["rq"]
+        assert cache.length == T  # the last chunk reached every rank
         if keys_nixl and T:
-            assert torch.equal(rk.key_cache[:, :T], send["send.keys"][:, :T])
+            assert torch.equal(cache.keys[:, :T], send["send.keys"][:, :T])
