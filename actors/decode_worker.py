@@ -70,7 +70,7 @@ class DecodeWorker:
         self.steps = 0
         self.step_s = 0.0
         self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, execute s)
-        # (step, found, decoded, executed, report sent): perf_counter() stamps, one clock per host
+        # (step, found, loaded, executed, report sent): perf_counter() stamps, one clock per host
         self.step_trace: collections.deque = collections.deque(maxlen=100_000)
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ class DecodeWorker:
         return list(self.step_log)
 
     def get_step_trace(self) -> list[tuple[int, float, float, float, float]]:
-        """(step, command found, decoded, executed, report sent) ``perf_counter`` stamps of the
+        """(step, command found, loaded, executed, report sent) ``perf_counter`` stamps of the
         recent steps: the same clock as the coordinator's trace on this host (benchmarks)."""
         return list(self.step_trace)
 

@@ -34,7 +34,7 @@ class RankChannels:
             raise
         self._lock = threading.Lock()
         self.log: collections.deque = collections.deque(maxlen=100_000)  # (step, round trip s)
-        # (step, start, (sent per rank), (report found per rank), (decoded per rank)):
+        # (step, start, (sent per rank), (report found per rank), (loaded per rank)):
         # perf_counter() stamps, comparable with the ranks' traces (one clock per host)
         self.trace: collections.deque = collections.deque(maxlen=100_000)
 
@@ -52,10 +52,10 @@ class RankChannels:
             for pair, cmd in zip(self.pairs, cmds):
                 pair.send(cmd, timeout)
                 sent.append(time.perf_counter())
-            reports, found, decoded = self._gather(timeout)
+            reports, found, loaded = self._gather(timeout)
             dt = time.perf_counter() - t0
         self.log.append((cmds[0].step, dt))
-        self.trace.append((cmds[0].step, t0, tuple(sent), tuple(found), tuple(decoded)))
+        self.trace.append((cmds[0].step, t0, tuple(sent), tuple(found), tuple(loaded)))
         return reports
 
     def probe(self, n: int, timeout: float) -> list[float]:
@@ -78,12 +78,12 @@ class RankChannels:
     def _gather(self, timeout: float) -> tuple[list, list[float], list[float]]:
         """One report per rank, taken in whatever order they arrive, so that a dead rank is
         noticed at once (``ChannelPeerLostError``) even while a live one is blocked in a
-        collective waiting for it; with each report's ``perf_counter`` stamps (found, decoded)
+        collective waiting for it; with each report's ``perf_counter`` stamps (found, loaded)
         for the step trace. ``ChannelTimeoutError`` after ``timeout`` s."""
         pairs = self.pairs
         reports: list = [None] * len(pairs)
         found = [0.0] * len(pairs)
-        decoded = [0.0] * len(pairs)
+        loaded = [0.0] * len(pairs)
         deadline = time.monotonic() + timeout
         turn = -1
         while True:
@@ -92,15 +92,15 @@ class RankChannels:
                 if reports[i] is None:
                     if pair.inbox.pending():
                         reports[i] = pair.recv(0)
-                        found[i], decoded[i] = pair.ready_t, time.perf_counter()
+                        found[i], loaded[i] = pair.ready_t, time.perf_counter()
                     else:
                         missing.append(i)
             if not missing:
-                return reports, found, decoded
+                return reports, found, loaded
             if time.monotonic() >= deadline:
                 raise ChannelTimeoutError(f"no step report from ranks {missing} after {timeout} s")
             # wait on one missing channel (in turn: each peer's liveness gets checked), waking
-            # for any other: a rank that reports first is decoded while the slower one still
+            # for any other: a rank that reports first is loaded while the slower one still
             # works, off the step's critical path
             turn += 1
             k = missing[turn % len(missing)]

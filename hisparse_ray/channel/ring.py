@@ -1,10 +1,11 @@
 """Shared-memory SPSC message ring for per-step control traffic (adapter ring, standard library).
 
-The coordinator and each co-located TP rank exchange ``StepCommand`` / ``StepReport`` through a pair
-of these (:mod:`hisparse_ray.channel.pair`) instead of Ray actor calls (~1 ms each): a ``/dev/shm``
-segment holding a ring of length-prefixed encoded messages (``StepCodec`` by default). Waiting spins, then yields, then
-blocks on a futex on the peer's position word (woken by the peer's next publish; timed slices
-bound a lost wake-up and notice a dead peer); without futex support it sleeps with backoff.
+The coordinator and each co-located TP rank exchange ``StepCommand`` / ``StepReport`` through a
+pair of these (:mod:`hisparse_ray.channel.pair`) instead of Ray actor calls (~1 ms each): a
+``/dev/shm`` segment holding a ring of length-prefixed encoded messages (``StepCodec`` by
+default). Waiting spins, then yields, then blocks on a futex on the peer's position word (woken by
+the peer's next publish; timed slices bound a lost wake-up and notice a dead peer); without futex
+support it sleeps with backoff.
 """
 
 from __future__ import annotations

@@ -8,22 +8,23 @@ slot-setting constructors; a ``StepReport`` (plain ints, ids and tuples) is ``ma
 
 Command encoding is stateful, one state per channel *direction* (the SPSC ring is ordered and
 lossless):
-  * Request ids are interned: a message *defines* ``index -> id`` for ids the encoder has not sent
-    before (explicitly: the decoder never allocates, it only overwrites), later messages name the
-    id by index. Ids in ``StepCommand.released`` are forgotten after their message (their index is
-    reused); a table over ``max_ids`` entries is dropped wholesale before a message.
-  * ``BatchRow.hot_blocks`` equal to the request's previous row is sent as "same" and decoded as
-    the very tuple decoded last time (one flag when every row of the step is unchanged).
+  * Request ids are interned: a message *defines* ``index -> id`` for ids the writer (``dumps``)
+    has not sent before (explicitly: the reader (``loads``) never allocates, it only overwrites),
+    later messages name the id by index. Ids in ``StepCommand.released`` are forgotten after their
+    message (their index is reused); a table over ``max_ids`` entries is dropped wholesale before
+    a message.
+  * ``BatchRow.hot_blocks`` equal to the request's previous row is sent as "same" and loaded as
+    the very tuple loaded last time (one flag when every row of the step is unchanged).
   * TP ranks receive equal commands (rank aside): encoders with equal states share one encoding
     through a small process-wide memo (``_dump_command``), so the coordinator encodes a step once.
   * ``reset()`` forgets the encoder's state (the next message redefines every id it uses and sends
     every hot buffer in full). The channel calls it when a message was encoded but not delivered.
-    A decoder that failed mid-message refuses further messages (``ChannelError``): never a silent
+    A reader that failed mid-message refuses further messages (``ChannelError``): never a silent
     misread.
 Native hot path: when the optional C module ``hisparse_ray.channel._wire`` is built (``setup.py``;
-any C compiler), commands that define no new id are encoded and every command is decoded in C, and a
+any C compiler), commands that define no new id are encoded and every command is loaded in C, and a
 report of exact builtin types travels as a compact binary layout (``TAG_REPORT_BIN``) instead of
-marshal. The command bytes are identical either way; the Python decoder reads both report
+marshal. The command bytes are identical either way; the Python reader reads both report
 layouts, so ends with and without the module interoperate. ``HISPARSE_NATIVE_WIRE=0`` (or
 ``StepCodec(native=False)``) keeps everything in Python. Measured cause: on the H200 these
 stages ran 3-5x slower than warm right after a model forward (BENCHMARKS.md, session 5).
@@ -197,7 +198,7 @@ class StepCodec:
     """Binary codec for ``StepCommand`` / ``StepReport`` (anything else: tagged pickle).
 
     One instance serves one channel end: its encoder state belongs to the direction it sends on,
-    its decoder state to the one it receives on (a ``ChannelPair`` end may share one instance for
+    its reader state to the one it receives on (a ``ChannelPair`` end may share one instance for
     both). Never share an instance between two channels sending: use ``fresh()``.
     """
 
@@ -212,8 +213,8 @@ class StepCodec:
                              "switched off")
         self._fallback = PickleCodec()
         self.reset()
-        self._names: list[str | None] = []  # decoder: index -> request id
-        self._hot_in: list[tuple | None] = []  # decoder: index -> last hot_blocks
+        self._names: list[str | None] = []  # reader: index -> request id
+        self._hot_in: list[tuple | None] = []  # reader: index -> last hot_blocks
         self._broken: str | None = None
 
     def fresh(self) -> StepCodec:
@@ -399,7 +400,7 @@ class StepCodec:
         if tag == TAG_FALLBACK:
             return self._fallback.loads(data[1:])
         if self._broken is not None:
-            raise ChannelError(f"step codec is out of step after a failed decode ({self._broken})")
+            raise ChannelError(f"step codec is out of step after a failed load ({self._broken})")
         try:
             if tag == TAG_COMMAND:
                 if self._native is not None:
@@ -414,7 +415,7 @@ class StepCodec:
             raise ValueError(f"unknown message tag {tag}")
         except Exception as err:
             self._broken = repr(err)
-            raise ChannelError(f"undecodable step message: {err!r}") from err
+            raise ChannelError(f"unreadable step message: {err!r}") from err
 
     def _load_defs(self, data: bytes, off: int, n: int) -> int:
         if not n:
