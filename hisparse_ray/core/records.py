@@ -1,6 +1,7 @@
-"""Driver-facing record of one request inside the coordinator actor (ring 3): progress, outcome,
-landing and hot-buffer statistics, the summary dict ``Coordinator.wait`` returns, and the
-``RecordBook`` that holds a coordinator's records from submit until they are taken."""
+"""Driver-facing record of one request (pure ring), kept by the coordinator actor beside the core:
+progress, outcome, landing and hot-buffer statistics, the summary dict ``ReplicaCoordinator.wait``
+returns, and the ``RecordBook`` that holds a replica's records from submit until they are
+taken."""
 
 from __future__ import annotations
 

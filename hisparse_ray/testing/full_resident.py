@@ -1,6 +1,7 @@
-"""Full-resident reference decode for exactness checks (ring 3 helper): the same prompts through
-the in-process :class:`~hisparse_ray.engine.Engine` in full-resident mode (every KV row on resident
-device pages, never spilled), greedy sampling. HiSparse must produce identical tokens."""
+"""Full-resident reference decode for exactness checks (the demo's, the examples' and the tests'):
+the same prompts through the in-process :class:`~hisparse_ray.engine.Engine` in full-resident mode
+(every KV row on resident device pages, never spilled), greedy sampling. HiSparse must produce
+identical tokens."""
 
 from __future__ import annotations
 
