@@ -240,7 +240,3 @@ def env_flag(name: str, default: bool = False) -> bool:
     if raw is None:
         return default
     return raw.strip().lower() in ("1", "true", "yes", "on")
-
-
-def env_str(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name, default)

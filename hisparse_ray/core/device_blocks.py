@@ -70,9 +70,6 @@ class DeviceBlockPool:
     def pins(self, block: DeviceBlockId) -> int:
         return self._pins.get(block, 0)
 
-    def blocks_of(self, owner: RequestId) -> list[DeviceBlockId]:
-        return [b for b, o in self._owner.items() if o == owner]
-
     def lease(self, n: int, owner: RequestId, group: CacheGroup = RESIDENT_GROUP
               ) -> list[DeviceBlockId] | None:
         """``n`` blocks leased to ``owner``, strictly ascending (first contiguous free run, else the
