@@ -152,3 +152,26 @@ def test_pages_of_a_spilled_request_are_reused_exactly(models, kind):
     c = hs["counters"]
     assert c.conversions_to_host >= 1 and c.spills >= 1
     assert c.prefix_hit_pages >= 32 // PAGE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_cuda_prefix_reuse_equals_full_resident_bf16_gpu(kind):
+    """bf16 on CUDA with the CUDA resolver: a multi-turn follow-up (20 pages, the last ones written
+    by the donor's decode) and a resident landing restoring 8 of the donor's pages stay bit-exact."""
+    from hisparse_ray.config import HiSparseConfig
+
+    model = build_random_model(tiny_config(kind).with_(index_n_heads=HEADS[kind]), seed=0,
+                               dtype=torch.bfloat16, device="cuda")
+    hs = HiSparseConfig(top_k=8, device_buffer_size=16, host_to_device_ratio=4, swap_in_block_size=64,
+                        host_pool_gib=0.01)
+    common = dict(hisparse=hs, device="cuda", backend="cuda")
+    a = tokens(150, 2)
+    script = [("add", "a", a, 24), ("step", 13),
+              ("add", "b", follow_up("a", a, 12, tokens(5, 3)), 10), ("step", 2),
+              ("add", "c", a[:64] + tokens(7, 6), 8), ("run",)]
+    got = drive(model, EngineConfig(num_device_blocks=16, **common), script)
+    base = drive(model, EngineConfig(full_resident=True, **common), script)
+    assert_exact(got, base)
+    assert got["targets"]["c"] is LandingTarget.RESIDENT and got["counters"].restores == 8
+    assert got["counters"].prefix_hit_pages == 20 + 8

@@ -114,3 +114,40 @@ def test_select_topk_does_not_depend_on_padding_or_batch(seed):
     # the selection equals a stable descending sort's first k
     ref = torch.sort(row, descending=True, stable=True).indices[:k]
     assert alone[0].tolist() == ref.tolist()
+
+
+
+def _stable_reference(s: torch.Tensor, k: int) -> torch.Tensor:
+    """The rule spelled out: a stable descending sort (-0.0 sorts equal to 0.0), -inf dropped."""
+    vals, idx = torch.sort(s, descending=True, stable=True)
+    idx = idx.masked_fill(vals == float("-inf"), -1)[:, :k]
+    return torch.nn.functional.pad(idx, (0, k - idx.shape[1]), value=-1)
+
+
+def _tie_heavy(g: torch.Generator, rows: int, n: int) -> torch.Tensor:
+    s = torch.randint(0, 4, (rows, n), generator=g).float() * torch.rand(1, generator=g)
+    s[torch.rand(rows, n, generator=g) < 0.2] = -0.0
+    s[torch.rand(rows, n, generator=g) < 0.1] = float("-inf")
+    return s
+
+
+SHAPES = ((5, 7, 16), (8, 300, 16), (4, 5000, 2048), (2, 131072, 2048))  # rows, keys, k
+
+
+def test_select_topk_is_a_stable_descending_sort():
+    g = torch.Generator().manual_seed(0)
+    for rows, n, k in SHAPES:
+        s = _tie_heavy(g, rows, n)
+        assert torch.equal(select_topk(s, k), _stable_reference(s, k)), (rows, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_select_topk_on_cuda_equals_cpu_on_ties(seed):
+    """Tie-heavy rows (a few distinct values, -0.0 among the zeros, -inf masked keys), from short
+    rows to 128K keys with DeepSeek-V3.2's k = 2048: the CUDA selection is the CPU's, position for
+    position (the one rule: higher score first, equal scores by lower position)."""
+    g = torch.Generator().manual_seed(seed)
+    for rows, n, k in SHAPES:
+        s = _tie_heavy(g, rows, n)
+        assert torch.equal(select_topk(s.cuda(), k).cpu(), select_topk(s, k)), (rows, n, k)

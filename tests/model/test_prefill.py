@@ -173,3 +173,49 @@ def test_prefill_plan_fits_the_budget_and_refuses_bad_values():
             PrefillPlan.of(cfg, 4, 10, bad, 4)
     with pytest.raises(ConfigError, match="rows"):
         PrefillPlan(0, 1, 1)
+
+
+# -- CUDA ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_chunked_prefill_equals_dense_fp32_gpu(kind):
+    """fp32 on CUDA: chunks of 7 queries vs the dense path: same selection, outputs within 1e-4."""
+    model = build_random_model(tiny_config(kind).with_(index_n_heads=2), seed=4, device="cuda")
+    T = 130
+    toks = _tokens(T, seed=3).cuda()
+    seven = 7 * max(PrefillPlan.item_bytes(model.cfg, model.cfg.num_attention_heads, T, 4))
+    model.prefill_chunk_bytes = seven
+    ours = {}
+    logits, rows, keys = model.prefill(toks, lambda layer, t: ours.setdefault(layer, t.clone()) and None,
+                                       all_logits=True, batch_invariant=False)
+    own = dense_prefill(model, toks)[3]
+    ref = dense_prefill(model, toks, lambda layer, t: ours[layer])
+    for got, want in zip((logits, rows, keys), ref[:3]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    for layer, topk in ours.items():
+        assert as_sets(topk) == as_sets(own[layer]), layer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_batch_invariant_prefill_is_bitwise_prefix_stable_and_decode_equal_gpu(kind):
+    """bf16 on CUDA, the engine's exact path: a prefix's rows, keys and logits do not depend on what
+    follows or on the chunks, and equal token-by-token decode."""
+    model = build_random_model(tiny_config(kind).with_(index_n_heads=2), seed=4, dtype=torch.bfloat16,
+                               device="cuda")
+    cfg, T = model.cfg, 40
+    toks = _tokens(T, seed=5).cuda()
+    full = model.prefill(toks, all_logits=True)
+    for part_len, budget in ((17, 1 << 30), (T, 1)):
+        model.prefill_chunk_bytes = budget
+        part = model.prefill(toks[:part_len], all_logits=True)
+        assert torch.equal(part[0], full[0][:part_len])
+        assert torch.equal(part[1], full[1][:, :part_len]) and torch.equal(part[2], full[2][:, :part_len])
+    model.prefill_chunk_bytes = 1 << 30
+    cache = DenseKVCache(cfg.num_hidden_layers, cfg.row_dim, 1, T, dtype=torch.bfloat16, device="cuda")
+    index = IndexerKeyCache(cfg.num_hidden_layers, cfg.index_head_dim, T, dtype=torch.bfloat16, device="cuda")
+    for p in range(T):
+        cache.begin_step(torch.tensor([0]), torch.tensor([p]))
+        step = model.decode(toks[p : p + 1], torch.tensor([p], device="cuda"), cache, [index])
+        assert torch.equal(step[0], full[0][p]), p
+    assert torch.equal(cache.rows[:, 0], full[1])
