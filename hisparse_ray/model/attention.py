@@ -164,8 +164,8 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.heads, nope + cfg.v_head_dim, R)
         q_full = torch.cat([rm.heads_in(q_nope, w[:, :nope]), q_rope], dim=-1)[:, None]  # [Q, 1, heads, R + rope]
         rows = row[topk.clamp(min=0)].to(q_full.dtype)  # [Q, K, row_dim]
-        s = torch.matmul(q_full, rows[:, None].transpose(-1, -2)) * self.scale  # [Q, 1, heads, K]
-        s = s.masked_fill(topk[:, None, None, :] < 0, float("-inf"))
+        s = torch.matmul(q_full, rows[:, None].transpose(-1, -2)).mul_(self.scale)  # [Q, 1, heads, K]
+        s.masked_fill_(topk[:, None, None, :] < 0, float("-inf"))
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q_full.dtype)
         ctx = torch.matmul(p, rows[:, None, :, :R])[:, 0]  # [Q, heads, R]
         o = rm.heads_out(ctx, w[:, nope:])  # [Q, heads, v]
