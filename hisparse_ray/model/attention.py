@@ -139,7 +139,8 @@ class MLAAttention(nn.Module):
             row[lo:hi] = torch.cat([self.kv_a_layernorm(c), rotate_interleaved(k_rope, cos[lo:hi], sin[lo:hi])], dim=-1)
         keys = None
         if self.indexer is not None:
-            topk, keys = self.indexer.prefill_topk(x, q_resid, cos, sin, query_chunk=plan.index_queries, rm=rm)
+            topk, keys = self.indexer.prefill_topk(x, q_resid, cos, sin, query_chunk=plan.index_queries,
+                                                   row_chunk=plan.rows, rm=rm)
             if topk_hook is not None:
                 topk = _replace(topk, topk_hook(self.layer, topk))
         else:

@@ -111,6 +111,8 @@ class DSAModel(nn.Module):
         :attr:`batch_invariant`): every row-mixing matmul one token row at a time
         (:class:`~hisparse_ray.model.rowmath.RowMath`), so position ``p``'s rows, keys and logits are
         bitwise what decoding the prompt token by token computes, whatever ``T`` and the chunks.
+        Off the CPU that path runs one position per chunk (see the code), so it is slow: it is the
+        exact reference for tests and tiny models, not the way to prefill a real model.
         """
         cfg = self.cfg
         T = tokens.shape[0]
@@ -118,6 +120,10 @@ class DSAModel(nn.Module):
         elem = torch.empty((), dtype=self.dtype).element_size()
         heads = self.model.layers[0].self_attn.heads if cfg.num_hidden_layers else cfg.num_attention_heads
         plan = PrefillPlan.of(cfg, heads, T, self.prefill_chunk_bytes, elem)
+        if rm.batch_invariant and self.device.type != "cpu":
+            # Off the CPU, batched GEMMs and reductions are not shown batch-invariant: one position
+            # per chunk runs every operation in the shape the decode step of that position runs it.
+            plan = PrefillPlan(1, 1, 1)
         positions = torch.arange(T, device=self.device)
         cs = [self.rope.cos_sin(p, self.dtype) for p in positions.split(1)] if rm.batch_invariant else []
         cos, sin = (torch.cat([c for c, _ in cs]), torch.cat([s for _, s in cs])) if cs else \
@@ -126,9 +132,11 @@ class DSAModel(nn.Module):
         rows = torch.empty(cfg.num_hidden_layers, T, cfg.row_dim, dtype=self.dtype, device=self.device)
         keys = torch.zeros(cfg.num_hidden_layers, T, cfg.index_head_dim, dtype=self.dtype, device=self.device)
         topk = None
+        x = torch.empty_like(h)
         for i, layer in enumerate(self.model.layers):
-            out, topk, rows[i], k = layer.self_attn.prefill(
-                layer.input_layernorm(h), cos, sin, topk, topk_hook, plan, rm)
+            for lo in range(0, T, plan.rows):
+                x[lo : lo + plan.rows] = layer.input_layernorm(h[lo : lo + plan.rows])
+            out, topk, rows[i], k = layer.self_attn.prefill(x, cos, sin, topk, topk_hook, plan, rm)
             if k is not None:
                 keys[i] = k
             h += out

@@ -37,7 +37,8 @@ class PrefillPlan:
         """Bytes one token row / indexer query / attention query allocates at once (upper bounds),
         for a ``T``-token prompt on a rank with ``heads`` attention heads, activations of ``elem`` bytes:
 
-        * row: the projections' outputs and the MLP's (or a routed/shared expert's) intermediates;
+        * row: an RMSNorm's fp32 temporaries, the projections' outputs and the MLP's (or a
+          routed/shared expert's) intermediates;
         * indexer query: fp32 per-head scores against ``T`` keys, the head-weighted scores and their
           int64 selection keys and mask, the query's heads;
         * attention query: the absorbed query, its gathered top-k rows, scores and probabilities (fp32
@@ -46,8 +47,9 @@ class PrefillPlan:
         T = max(T, 1)
         R, K = cfg.kv_lora_rank, cfg.index_topk
         inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1))
-        row = elem * (4 * cfg.hidden_size + cfg.q_lora_rank + 2 * cfg.row_dim + 3 * inter
-                      + cfg.index_head_dim) + 4 * cfg.index_n_heads
+        norms = 12 * max(cfg.hidden_size, cfg.q_lora_rank + cfg.kv_lora_rank)  # RMSNorm's fp32 copies
+        row = norms + elem * (2 * cfg.hidden_size + cfg.q_lora_rank + 2 * cfg.row_dim + 4 * inter
+                              + cfg.index_head_dim) + 4 * cfg.index_n_heads
         index = (4 * cfg.index_n_heads + 4 + 3 * 8 + 1) * T + 8 * cfg.index_n_heads * cfg.index_head_dim
         attn = (elem * (heads * (cfg.qk_head_dim + 2 * (R + cfg.qk_rope_head_dim)) + K * cfg.row_dim
                         + 2 * heads * K + heads * (R + cfg.v_head_dim) + cfg.hidden_size)

@@ -47,7 +47,7 @@ class RowMath:
 
     def heads_in(self, x: Tensor, w: Tensor) -> Tensor:
         """``einsum("nhd,hdr->nhr", x [N, h, d], w [h, d, r])`` (MLA's query absorption)."""
-        if not self.batch_invariant:
+        if not self.batch_invariant or x.shape[0] == 1:
             return torch.einsum("nhd,hdr->nhr", x, w)
         return torch.matmul(x[:, :, None, :], w[None]).squeeze(-2)
 
@@ -57,6 +57,8 @@ class RowMath:
         ``w[h]`` transposed."""
         if not self.batch_invariant:
             return torch.einsum("nhr,hvr->nhv", x, w)
+        if x.shape[0] == 1:  # the decode step's own call
+            return torch.einsum("bqhr,hvr->bqhv", x[None], w)[0]
         N, h, r = x.shape
         v = w.shape[1]
         wt = w.expand(N, h, v, r).reshape(N * h, v, r).transpose(-1, -2)

@@ -119,10 +119,14 @@ def test_batch_invariant_prefill_of_a_prefix_is_bitwise_the_same(models, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_batch_invariant_prefill_is_what_token_by_token_decode_computes(models, kind):
+    """Also with one position per chunk (budget 1: what the exact path runs off the CPU)."""
     model = models[(kind, 2)]
     cfg, T = model.cfg, 24
     toks = _tokens(T, seed=9)
     logits, rows, keys = model.prefill(toks, all_logits=True)
+    model.prefill_chunk_bytes = 1
+    assert all(torch.equal(a, b) for a, b in zip(model.prefill(toks, all_logits=True), (logits, rows, keys)))
+    model.prefill_chunk_bytes = 1 << 30
     cache = DenseKVCache(cfg.num_hidden_layers, cfg.row_dim, 1, T)
     index = IndexerKeyCache(cfg.num_hidden_layers, cfg.index_head_dim, T)
     for p in range(T):
