@@ -36,6 +36,7 @@ from hisparse_ray.model.plan import PrefillPlan
 from hisparse_ray.model.rope import rotate_interleaved, softmax_scale
 from hisparse_ray.model.rowmath import RowMath
 
+
 class MLAAttention(nn.Module):
     """One layer's MLA with its indexer (``None`` on GLM "shared" layers). ``heads`` is the local head
     count (``num_attention_heads / tp_size`` after :meth:`shard_heads`)."""

@@ -125,9 +125,11 @@ class DSAModel(nn.Module):
             # per chunk runs every operation in the shape the decode step of that position runs it.
             plan = PrefillPlan(1, 1, 1)
         positions = torch.arange(T, device=self.device)
-        cs = [self.rope.cos_sin(p, self.dtype) for p in positions.split(1)] if rm.batch_invariant else []
-        cos, sin = (torch.cat([c for c, _ in cs]), torch.cat([s for _, s in cs])) if cs else \
-            self.rope.cos_sin(positions, self.dtype)
+        if rm.batch_invariant:  # cos/sin are transcendental: per position, as decode makes them
+            cs = [self.rope.cos_sin(p, self.dtype) for p in positions.split(1)]
+            cos, sin = torch.cat([c for c, _ in cs]), torch.cat([s for _, s in cs])
+        else:
+            cos, sin = self.rope.cos_sin(positions, self.dtype)
         h = self.model.embed_tokens(tokens.to(self.device))
         rows = torch.empty(cfg.num_hidden_layers, T, cfg.row_dim, dtype=self.dtype, device=self.device)
         keys = torch.zeros(cfg.num_hidden_layers, T, cfg.index_head_dim, dtype=self.dtype, device=self.device)
@@ -145,7 +147,8 @@ class DSAModel(nn.Module):
                 part = h[lo : lo + plan.rows]
                 part += layer.mlp(layer.post_attention_layernorm(part), rm)
         last = h if all_logits else h[-1:]
-        logits = rm.linear(self.model.norm(last), self.lm_head.weight, self.lm_head.bias).float()
+        logits = torch.cat([rm.linear(self.model.norm(last[lo : lo + plan.rows]), self.lm_head.weight,
+                                      self.lm_head.bias).float() for lo in range(0, last.shape[0], plan.rows)])
         return logits, rows, keys
 
     @torch.no_grad()
