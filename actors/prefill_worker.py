@@ -106,7 +106,7 @@ class PrefillWorker:
                     keys = self._synthetic(T, tokens)
                 else:
                     ids = torch.tensor(tokens, dtype=torch.int64, device=self.spec.device)
-                    _, rows, keys = self.model.prefill(ids)
+                    _, rows, keys = self.model.prefill(ids, batch_invariant=self.spec.batch_invariant)
                     self.send[:, :T] = rows.contiguous().view(torch.uint8).reshape(
                         self.num_layers, T, self.row_bytes)
                     self.send_keys[:, :T] = keys.contiguous().view(torch.uint8).reshape(

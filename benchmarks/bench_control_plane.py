@@ -263,7 +263,7 @@ def main() -> int:
                            landing_push_with_prefill=args.push_with_prefill)
         pspecs = [PrefillSpec(model=model, max_prompt_tokens=max(max_tokens, 256),
                               gpus=0.1 if gpu else 0.0, name=name,
-                              synthetic_kv=args.synthetic_prefill)
+                              synthetic_kv=args.synthetic_prefill, batch_invariant=False)
                   for name in ("direct", "staged")]
         workers = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
                    for p in pspecs]

@@ -433,7 +433,12 @@ class PrefillSpec:
     synthetic_kv: BENCHMARKS ONLY. ``prefill`` skips the model and fills the send buffers with
     seeded normal values of the model dtype (KV rows and indexer keys of the right shapes), so
     landings of 64K-128K tokens can be timed without minutes of dense prefill per prompt. The
-    landing path is the real one; the tokens decoded afterwards are meaningless."""
+    landing path is the real one; the tokens decoded afterwards are meaningless.
+
+    batch_invariant: the exact prefill (``DSAModel.prefill``: every position's KV bitwise what
+    decode computes, so reused prefixes stay exact; see docs/architecture.md "Exactness
+    contract"). It computes per token row (on a GPU one position at a time): False batches the
+    prefill's matmuls, for benchmarks and real-size models (rows then differ in the last bits)."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     max_prompt_tokens: int = _D["max_prompt_tokens"]
@@ -441,6 +446,7 @@ class PrefillSpec:
     cpus: float = _D["prefill_cpus"]
     name: str = "prefill0"
     synthetic_kv: bool = False
+    batch_invariant: bool = True
 
     @property
     def use_cuda(self) -> bool:

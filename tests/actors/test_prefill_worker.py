@@ -118,3 +118,18 @@ def test_keys_travel_with_the_kv_and_synthetic_prefill_fills_both_buffers():
         pw.shutdown()
         syn.shutdown()
         target.close()
+
+
+def test_batched_prefill_knob_fills_the_batched_rows():
+    """``PrefillSpec.batch_invariant=False`` (benchmarks, real-size models) fills the send buffer
+    with the batched prefill's rows: within fp32 rounding of the exact ones, not always bitwise."""
+    fast = PrefillWorker(PrefillSpec(max_prompt_tokens=64, name="batched", batch_invariant=False))
+    try:
+        tokens = list(range(1, 50))
+        fast.prefill("f", tokens)
+        got = fast.send[:, :49].view(fast.model.dtype).view(fast.num_layers, 49, -1)
+        ids = torch.tensor(tokens)
+        assert torch.equal(got, fast.model.prefill(ids, batch_invariant=False)[1])
+        torch.testing.assert_close(got, fast.model.prefill(ids)[1], atol=1e-5, rtol=0)
+    finally:
+        fast.shutdown()
