@@ -20,6 +20,8 @@ reads routing back to the host) and TP, if any, runs on NCCL; otherwise the same
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -79,6 +81,7 @@ class FastDecodeStep:
         self._pool = None
         self._generation = keys.generation
         self.use_graphs = dev.type == "cuda" and cfg.cuda_graphs and self._capturable()
+        self.capture_error: str | None = None
         if self.logits_kind == "deepgemm":
             deepgemm.warm_up(dev, m.index_n_heads, m.index_head_dim)
 
@@ -110,8 +113,13 @@ class FastDecodeStep:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                self._body(bucket)
+            try:
+                with torch.cuda.graph(g, pool=self._pool):
+                    self._body(bucket)
+            except RuntimeError as e:  # a kernel library that cannot be captured: stay eager
+                self.use_graphs, self.capture_error = False, f"{type(e).__name__}: {e}"
+                warnings.warn(f"fast step stays eager: CUDA graph capture failed ({self.capture_error})")
+                return
             self.graphs[bucket] = g
 
     def _metadata(self, B: int) -> tuple | None:
