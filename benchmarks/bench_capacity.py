@@ -38,6 +38,7 @@ import math
 import os
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -355,11 +356,15 @@ def main() -> None:
                 try:
                     s = Setup(model, mode, codec, cap, ctx, d, host_bytes, device)
                     break
-                except torch.OutOfMemoryError:
+                except torch.OutOfMemoryError:  # the estimate was short: 10 % fewer, measured
+                    s = None
                     gc.collect()
                     torch.cuda.empty_cache()
                     cap = int(cap * 0.9)
             row["capacity_gpu"] = cap
+            if s is None:
+                results.append(row)
+                continue
             log(f"ctx {ctx} {mode} {rows}: capacity {cap} (per request {per / 1e9:.2f} GB), set up")
             K, L = cfg.index_topk, d.layers
             n_trace = a.warm + a.steps
@@ -368,8 +373,14 @@ def main() -> None:
                 traces["overlap"] = make_trace(n_trace, L, cap, K, ctx, 0.4, device, 2)
             for trace_name, trace in traces.items():
                 for B in sorted({1, min(4, cap), cap}):
-                    r = s.run(B, trace, a.warm, a.steps)
-                    res_ms = s.resolver_ms(B, trace, a.steps) if mode == "hisparse" else 0.0
+                    try:
+                        r = s.run(B, trace, a.warm, a.steps)
+                        res_ms = s.resolver_ms(B, trace, a.steps) if mode == "hisparse" else 0.0
+                    except Exception as e:  # keep the other measurements of this one run
+                        log(f"  B={B} {trace_name}: FAILED {type(e).__name__}: {e}")
+                        traceback.print_exc()
+                        results.append(dict(row, batch=B, trace=trace_name, error=f"{type(e).__name__}: {e}"))
+                        continue
                     floor_ms = (weight_bytes + L * (K * codec.row_bytes + ctx * (cfg.index_head_dim + 4)) * B
                                 ) / (hbm * 1e6) if hbm == hbm else float("nan")
                     results.append(dict(row, batch=B, trace=trace_name, tok_s=B / r["step_ms"] * 1e3,

@@ -18,8 +18,6 @@ past a row's context length are garbage (callers mask them).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hisparse_ray.errors import KernelPreconditionError
@@ -46,15 +44,11 @@ def _lib():
     return deep_gemm
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def schedule(context_lens: torch.Tensor) -> torch.Tensor:
-    """The kernel's per-SM schedule for ``context_lens [B]`` int32 (a kernel: capturable)."""
-    idx = context_lens.device.index or 0
-    return _lib().get_paged_mqa_logits_metadata(context_lens[:, None], PAGE, _num_sms(idx))
+    """The kernel's per-SM schedule for ``context_lens [B]`` int32 (a kernel: capturable), for the
+    SM count the library launches with (``deep_gemm.get_num_sms()``)."""
+    lib = _lib()
+    return lib.get_paged_mqa_logits_metadata(context_lens[:, None], PAGE, lib.get_num_sms())
 
 
 def paged_mqa_logits(q8: torch.Tensor, weights: torch.Tensor, kv: torch.Tensor,
