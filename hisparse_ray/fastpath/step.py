@@ -63,8 +63,14 @@ class FastDecodeStep:
                                  self.write_sink, keys.sink_row, dev)
         Bm = cfg.max_batch
         self.anchors = sorted(set(runtime.anchor_of))
-        self.out_rows = {a: torch.full((Bm, self.K), -1, dtype=torch.int32, device=dev) for a in self.anchors}
-        self.plan = {a: torch.full((Bm, self.K, 2), -1, dtype=torch.int32, device=dev) for a in self.anchors}
+        A = len(self.anchors)
+        # one tensor each over the anchor layers, so the step counts hits and misses in one pass
+        self.topk_all = torch.full((A, Bm, self.K), -1, dtype=torch.int32, device=dev)
+        self.rows_all = torch.full((A, Bm, self.K), -1, dtype=torch.int32, device=dev)
+        self.plan_all = torch.full((A, Bm, self.K, 2), -1, dtype=torch.int32, device=dev)
+        self.slot_of = {a: i for i, a in enumerate(self.anchors)}
+        self.out_rows = {a: self.rows_all[i] for i, a in enumerate(self.anchors)}
+        self.plan = {a: self.plan_all[i] for i, a in enumerate(self.anchors)}
         self.tokens = torch.zeros(Bm, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(Bm, m.vocab_size, dtype=torch.float32, device=dev)
         self.hits = torch.zeros(Bm, dtype=torch.int64, device=dev)
@@ -147,9 +153,6 @@ class FastDecodeStep:
         dt = model.dtype
         cos, sin = (freqs.cos() * self.rope_factor).to(dt), (freqs.sin() * self.rope_factor).to(dt)
         sched = deepgemm.schedule(seq) if self.logits_kind == "deepgemm" else None
-        long = (seq > self.H).to(torch.int64)
-        hits = torch.zeros(B, dtype=torch.int64, device=self.device)
-        misses = torch.zeros_like(hits)
         h = model.model.embed_tokens(ids)
         for l, layer in enumerate(model.model.layers):
             attn = layer.self_attn
@@ -164,20 +167,17 @@ class FastDecodeStep:
                 self.keys.write(i, iwrite, ix.keys(x, cos, sin))
                 q, w = ix.queries(x, q_resid, cos, sin)
                 logits = index_logits(self.logits_kind, self.keys, i, ix, q, w, itable, seq, sched)
-                topk = select_topk(logits, self.K).to(torch.int32)
-                if self.topk_override is not None:
-                    topk = torch.where(valid[:, None], self.topk_override[l][:B], -1)
+                topk = self.topk_all[self.slot_of[l], :B]
+                if self.topk_override is None:
+                    topk.copy_(select_topk(logits, self.K))
+                else:
+                    select_topk(logits, self.K)  # timed, then replaced by the trace
+                    topk.copy_(torch.where(valid[:, None], self.topk_override[l][:B], -1))
                 kernels.resolve(
                     top_k=topk, seq_lens=seq, state_idx=state, slot_pos=rt.slot_pos[l], lru=rt.lru[l],
                     slot_rows=slot_rows, resident_table=resident, host_table=host,
                     host_kv=rt.host_layers[l], device_kv=rt.device_kv[l], out_rows=out_rows, plan=plan,
                     page_size=self.page, block_threads=self.block_threads, backend=rt.backend)
-                miss = (plan[..., 0] >= 0).sum(1)
-                page = (topk.clamp_min(0) // self.page).long()
-                is_res = resident.gather(1, page) >= 0
-                served = ((topk >= 0) & ~is_res & (topk != (seq - 1)[:, None])).sum(1)
-                hits += (served - miss) * long
-                misses += miss * long
             else:
                 kernels.replay(plan=plan, host_kv=rt.host_layers[l], device_kv=rt.device_kv[l],
                                backend=rt.backend)
@@ -190,8 +190,21 @@ class FastDecodeStep:
         logits = model.lm_head(model.model.norm(h)).float()
         self.logits[:B].copy_(logits)
         self.tokens[:B].copy_(logits.argmax(-1))
-        self.hits[:B].copy_(hits)
-        self.misses[:B].copy_(misses)
+        self._count(B, seq, resident)
+
+    def _count(self, B: int, seq: Tensor, resident: Tensor) -> None:
+        """Hot-buffer hits and misses per row, over every anchor layer, for rows past the short
+        path (n > H): misses are the plan's copies; hits the selected positions served by a hot
+        slot without a copy (not resident, not the newest). ``HiSparseRuntime.hot_counts``'s
+        definition, on the device."""
+        tk = self.topk_all[:, :B]
+        miss = (self.plan_all[:, :B, :, 0] >= 0).sum((0, 2))
+        page = (tk.clamp_min(0) // self.page).long()
+        is_res = resident[None].expand(tk.shape[0], -1, -1).gather(2, page) >= 0
+        served = ((tk >= 0) & ~is_res & (tk != (seq - 1)[None, :, None])).sum((0, 2))
+        long = (seq > self.H).to(torch.int64)
+        self.hits[:B].copy_((served - miss) * long)
+        self.misses[:B].copy_(miss * long)
 
 
 def index_pages_for(cfg: FastPathConfig) -> tuple[int, int | None]:

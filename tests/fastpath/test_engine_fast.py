@@ -157,3 +157,32 @@ def test_requests_past_max_context_are_refused_before_admission(dense):
         assert eng.core.request_ids() == ()
         eng.add_request("y", list(range(60)), 4)
         assert len(eng.run()["y"]) == 4
+
+
+def test_device_hit_counts_follow_the_runtime_definition(dense):
+    """The step's on-device hits / misses equal ``hot_counts_reference`` (the definition the
+    reference path reports) on the step's own resolved rows and plans, every step."""
+    from types import SimpleNamespace
+
+    from hisparse_ray.runtime import hot_counts_reference
+
+    prompts = prompts_of([8 * H + 5, 40, 9 * H], dense.cfg.vocab_size, seed=8)
+    checked = []
+    with Engine(dense, fast_cfg(MANY, num_device_blocks=12)) as eng:
+        step = eng.worker.fast.step
+
+        def check(cmd, _logits):
+            B = len(cmd.batch)
+            inp = step.inputs
+            view = SimpleNamespace(slot_rows=inp.view("slot_rows", B), seq_lens=inp.view("seq_lens", B)[:, 0])
+            rows = {a: step.out_rows[a][:B].long() for a in step.anchors}
+            plans = {a: step.plan[a][:B] for a in step.anchors}
+            want = hot_counts_reference(view, rows, plans, H)
+            got = (step.hits[:B].tolist(), step.misses[:B].tolist())
+            assert got == want, (cmd.step, got, want)
+            checked.append(sum(want[0]) + sum(want[1]))
+        eng.worker.on_logits = check
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, 12)
+        eng.run()
+    assert len(checked) >= 12 and sum(checked) > 0
