@@ -191,23 +191,13 @@ class HiSparseWorker:
         self._enqueue_transfers(cmd, enqueued)
         sampled: tuple = ()
         per_request: list[tuple[RequestId, int, int]] = []
+        fast = self.fast is not None and self.trace is None and bool(cmd.batch)
         if cmd.batch:
             for handle in (h for _, h in self._pending):
                 handle.order_before()
-            sampled, per_request = self._forward(cmd)
-        if cmd.backups:
-            ids = tuple(b.transfer_id for b in cmd.backups)
-            if self.writer:
-                src = [rt.device_row(b.request_id, b.position) for b in cmd.backups]
-                dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
-                self.pool.begin_write()
-                handle = backup_rows(rt.device_kv, self.pool, src, dst)
-                self.pool.publish()
-                self._pending.append((ids, handle))
-            else:
-                self._pending.append((ids, CopyHandle()))
-            enqueued.extend(ids)
-            self.counters["backups"] += len(ids)
+            sampled, per_request = self._forward(cmd, enqueued)
+        if cmd.backups and not fast:  # the fast path enqueued them while its step ran
+            self._enqueue_backups(cmd, enqueued)
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
         self.counters["steps"] += 1
@@ -218,6 +208,23 @@ class HiSparseWorker:
                 wait=not cmd.batch or self.sync_host_writes),
             sampled=sampled if self.writer else (), hot_hits=hits, hot_misses=misses,
             hits_by_request=tuple(per_request) if self.writer else ())
+
+    def _enqueue_backups(self, cmd: StepCommand, enqueued: list[int]) -> None:
+        """The newest rows of host-tier requests, device -> host on the side stream (after the
+        forward that wrote them: the side stream waits for the current one)."""
+        ids = tuple(b.transfer_id for b in cmd.backups)
+        if self.writer:
+            row = self.fast.device_row if self.fast is not None else self.runtime.device_row
+            src = [row(b.request_id, b.position) for b in cmd.backups]
+            dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
+            self.pool.begin_write()
+            handle = backup_rows(self.runtime.device_kv, self.pool, src, dst)
+            self.pool.publish()
+            self._pending.append((ids, handle))
+        else:
+            self._pending.append((ids, CopyHandle()))
+        enqueued.extend(ids)
+        self.counters["backups"] += len(ids)
 
     def _enqueue_transfers(self, cmd: StepCommand, enqueued: list[int]) -> None:
         spills = [t for t in cmd.transfers if t.kind is TransferKind.SPILL]
@@ -269,7 +276,7 @@ class HiSparseWorker:
             self.index[rid] = cache = grown
         return cache
 
-    def _forward(self, cmd: StepCommand):
+    def _forward(self, cmd: StepCommand, enqueued: list[int]):
         rt, H = self.runtime, self.cfg.device_buffer_size
         for row in cmd.batch:
             if rt.set_hot_blocks(row.request_id, row.hot_blocks) and row.hot_blocks:
@@ -280,7 +287,7 @@ class HiSparseWorker:
                               [rt.host_row(row.request_id, p) for p in range(n - 1)],
                               slots[: n - 1]).wait()
         if self.fast is not None and self.trace is None:
-            return self._forward_fast(cmd)
+            return self._forward_fast(cmd, enqueued)
         # Batch-invariant mode runs each row as its own batch of one: matmul results depend on the
         # batch shape (measured: torch CPU linear differs bitwise between M=1 and M=5), so only
         # this makes a request's logits independent of what else the scheduler batched with it.
@@ -311,10 +318,13 @@ class HiSparseWorker:
             sampled = tuple((r.request_id, t) for r, t in zip(cmd.batch, toks))
         return sampled, per_request
 
-    def _forward_fast(self, cmd: StepCommand):
+    def _forward_fast(self, cmd: StepCommand, enqueued: list[int]):
         """The batch as one fast step (greedy tokens come from the device; a row sampling with a
-        temperature reads its logits back)."""
-        toks, hits, misses, logits = self.fast.forward(cmd.batch)
+        temperature reads its logits back). The step's backups are enqueued while the GPU runs."""
+        launched = self.fast.launch(cmd.batch)
+        if cmd.backups:
+            self._enqueue_backups(cmd, enqueued)
+        toks, hits, misses, logits = self.fast.collect(launched)
         if self.on_logits is not None:
             self.on_logits(cmd, logits)
         per_request = [(r.request_id, h, m) for r, h, m in zip(cmd.batch, hits, misses)]

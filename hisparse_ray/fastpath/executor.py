@@ -81,19 +81,25 @@ class FastExecutor:
         self._tables[rid] = t
         return t
 
+    def device_row(self, rid, position: int) -> int:
+        """The row the newest ``position`` of a request was written to (``HiSparseRuntime.device_row``
+        in O(1) from the cached tables: the runtime's version builds the H + 1 slot rows)."""
+        t = self._tables_of(rid)
+        page, off = divmod(position, self.rt.page)
+        if page < t.resident.shape[0] and t.resident[page] >= 0:
+            return int(t.resident[page]) * self.rt.page + off
+        row = int(t.slot_rows[self.rt.H if position + 1 > self.rt.H else position])
+        if row < 0:
+            raise StateError(f"request {rid!r} has neither a resident page nor a hot buffer for {position}")
+        return row
+
     def row_input(self, row: BatchRow) -> RowInput:
         rid, n = row.request_id, row.seq_len
         if rid not in self.keys.pages:
             raise StateError(f"request {rid!r} has no index keys installed on the fast path")
         t = self._tables_of(rid)
         p = n - 1
-        page, off = divmod(p, self.rt.page)
-        if page < t.resident.shape[0] and t.resident[page] >= 0:
-            write = int(t.resident[page]) * self.rt.page + off
-        else:
-            write = int(t.slot_rows[self.rt.H if n > self.rt.H else p])
-            if write < 0:
-                raise StateError(f"request {rid!r} has neither a resident page nor a hot buffer for {p}")
+        write = self.device_row(rid, p)
         ip = p // INDEX_PAGE
         if ip >= t.index_table.shape[0]:
             raise CapacityError(f"index key positions of {rid!r}", n, t.index_table.shape[0] * INDEX_PAGE)
@@ -101,14 +107,23 @@ class FastExecutor:
         return RowInput(row.input_token, n, self.rt.requests[rid].state_row, write, iwrite, t)
 
     # -- one step -----------------------------------------------------------------------------------
-    def forward(self, batch: Sequence[BatchRow]) -> tuple[list[int], list[int], list[int], Tensor]:
-        """Run one step -> ``(greedy tokens, hot hits, hot misses)`` per row and the device logits
-        ``[B, V]`` fp32 (a view of the step's static output: copy it before the next step)."""
+    def launch(self, batch: Sequence[BatchRow]) -> int:
+        """Fill the inputs and enqueue one step (no sync); returns B for :meth:`collect`."""
         B = len(batch)
         bucket = self.cfg.bucket(B)
         rows = [self.row_input(r) for r in batch]
         self.step.inputs.set_sink("index_write", self.keys.sink_row)  # moves when the pool grows
         self.step.inputs.fill(rows, bucket)
         self.step.run(bucket)
+        return B
+
+    def collect(self, B: int) -> tuple[list[int], list[int], list[int], Tensor]:
+        """Wait for the launched step -> ``(greedy tokens, hot hits, hot misses)`` per row and the
+        device logits ``[B, V]`` fp32 (a view of the step's static output: copy it before the
+        next step)."""
         out = torch.stack([self.step.tokens[:B], self.step.hits[:B], self.step.misses[:B]]).tolist()
         return out[0], out[1], out[2], self.step.logits[:B]
+
+    def forward(self, batch: Sequence[BatchRow]) -> tuple[list[int], list[int], list[int], Tensor]:
+        """:meth:`launch` then :meth:`collect`."""
+        return self.collect(self.launch(batch))
