@@ -26,7 +26,9 @@ context), then its selection is replaced by a trace (``FastDecodeStep.topk_overr
 rate is controlled: "random" (fresh uniform positions every step: the worst case) and "overlap"
 (40 % of each layer's previous top-k kept, DeepSeek-V3.2's published 35-50 %).
 Times: step wall time including host input work and the token read-back (TPOT); the resolver's
-share from a graph of the 61 resolver calls alone, replayed over the same trace.
+share from a graph of the 61 resolver calls alone, replayed over the same trace. Not included:
+the coordinator and the step channel (~70 us a step, BENCHMARKS.md) and the eager backup of each
+host-tier request's newest row (61 x 1152 B a step, on a side stream).
 """
 
 from __future__ import annotations
