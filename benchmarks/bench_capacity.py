@@ -358,7 +358,7 @@ def main() -> None:
                 try:
                     s = Setup(model, mode, codec, cap, ctx, d, host_bytes, device)
                     break
-                except torch.OutOfMemoryError:  # the estimate was short: 10 % fewer, measured
+                except torch.cuda.OutOfMemoryError:  # the estimate was short: 10 % fewer, measured
                     s = None
                     gc.collect()
                     torch.cuda.empty_cache()
