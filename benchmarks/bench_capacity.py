@@ -52,7 +52,7 @@ from hisparse_ray.fastpath.executor import FastExecutor
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
 from hisparse_ray.model.config import tiny_config
 from hisparse_ray.model.model import DSAModel
-from hisparse_ray.runtime import HiSparseRuntime
+from hisparse_ray.rank.runtime import HiSparseRuntime
 from hisparse_ray.types import BatchRow, RequestId
 
 GIB = 1 << 30

@@ -164,7 +164,7 @@ def test_device_hit_counts_follow_the_runtime_definition(dense):
     reference path reports) on the step's own resolved rows and plans, every step."""
     from types import SimpleNamespace
 
-    from hisparse_ray.runtime import hot_counts_reference
+    from hisparse_ray.rank.runtime import hot_counts_reference
 
     prompts = prompts_of([8 * H + 5, 40, 9 * H], dense.cfg.vocab_size, seed=8)
     checked = []
