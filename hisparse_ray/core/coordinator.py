@@ -240,12 +240,13 @@ class Coordinator:
         host room); the needy request itself qualifies if it frees none but stops needing new
         device pages."""
         hot_n = self.config.hot_blocks_per_request
-        free = self._room()
-        if (needy.state is RequestState.WAITING and needy.target is LandingTarget.HOST
-                and free.admit_device >= hot_n):
-            return  # the host pool is its bottleneck: spilling would only make it worse
         if any(r.conversion in (Conversion.SPILL, Conversion.HOT) for r in self._requests.values()):
             return
+        free: Room | None = None  # computed only when needed: O(requests)
+        if needy.state is RequestState.WAITING and needy.target is LandingTarget.HOST:
+            free = self._room()
+            if free.admit_device >= hot_n:
+                return  # the host pool is its bottleneck: spilling would only make it worse
         best, best_gain = None, -1
         for req in self._requests.values():
             if not (self._eligible(req) and req.tier is LandingTarget.RESIDENT and not req.in_flight):
@@ -257,6 +258,8 @@ class Coordinator:
                 gain = n - hot_n
             else:
                 life = life_pages(self.config, req)
+                if free is None:
+                    free = self._room()
                 if life > free.host:
                     continue  # no host room for its life
                 gain = life - hot_n
