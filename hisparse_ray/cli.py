@@ -25,17 +25,14 @@ DEMO_CONFIG = {"top_k": 8, "device_buffer_size": 16, "host_to_device_ratio": 4,
 
 
 # --- tokenizer ------------------------------------------------------------------------------------
-class ByteTokenizer:
-    """Byte-level tokenizer for the tiny model (vocab 96): printable ASCII 32..126 -> ids 1..95,
-    any other byte -> 0 (decoded as '?')."""
+def __getattr__(name: str):
+    """``cli.ByteTokenizer``: the tiny models' tokenizer lives in :mod:`hisparse_ray.model.tokenizer`
+    (imported on use: that package loads torch, which ``hisparse-ray --help`` need not wait for)."""
+    if name == "ByteTokenizer":
+        from hisparse_ray.model.tokenizer import ByteTokenizer
 
-    vocab_size = 96
-
-    def encode(self, text: str) -> list[int]:
-        return [b - 31 if 32 <= b <= 126 else 0 for b in text.encode("utf-8")]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i + 31) if 1 <= i <= 95 else "?" for i in ids)
+        return ByteTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- shared plumbing ------------------------------------------------------------------------------
@@ -213,6 +210,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import ray
 
     from hisparse_ray.actors import launch
+
+    from hisparse_ray.model.tokenizer import ByteTokenizer
 
     cfg = load_config(args.config)
     replica_spec, prefill_spec = _specs(args, cfg)

@@ -60,6 +60,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             if len(head) < 8:
                 raise CheckpointError(path.name, "header", "file shorter than a safetensors header")
             (n,) = struct.unpack("<Q", head)
+            size = path.stat().st_size
+            if n > size - 8:
+                raise CheckpointError(path.name, "header", f"header length {n} exceeds the file's {size} bytes")
             raw = f.read(n)
         table = json.loads(raw)
     except CheckpointError:

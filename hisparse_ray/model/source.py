@@ -52,7 +52,8 @@ class ModelSource:
         state; re-read when config.json changes)."""
         if not self.is_folder:
             raise ConfigError("model", self.name, "a built-in kind has no checkpoint")
-        return _checkpoint(self.name, (Path(self.name) / "config.json").stat().st_mtime_ns)
+        config = Path(self.name) / "config.json"
+        return _checkpoint(self.name, config.stat().st_mtime_ns if config.exists() else 0)
 
     @property
     def config(self) -> DSAConfig:

@@ -96,7 +96,8 @@ def write_tokenizer(path: str | Path, vocab_size: int = 300) -> None:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True, "add_eos_token": False,
-        "bos_token": {"content": BOS, "special": True}, "eos_token": {"content": EOS, "special": True},
+        "bos_token": {"__type": "AddedToken", "content": BOS, "special": True},
+        "eos_token": {"__type": "AddedToken", "content": EOS, "special": True},
         "chat_template": CHAT_TEMPLATE, "model_max_length": 4096}, indent=1))
     (path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS)}))
