@@ -28,6 +28,7 @@ from hisparse_ray.errors import KernelPreconditionError
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128
+MASKED_ALIGN = 128  # rows a masked-layout group is padded to (whole output tiles)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,34 +102,44 @@ def linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     return out
 
 
-def grouped_linear_masked(x: Tensor, weight: Tensor, scale_inv: Tensor, masked_m: Tensor,
-                          expected_m: int) -> Tensor:
-    """``x [G, Mmax, K]`` bf16, rows ``< masked_m[g]`` valid in group g, times ``weight[g] [N, K]``
-    -> bf16 ``[G, Mmax, N]`` (rows past ``masked_m[g]`` undefined). ``expected_m``: a hint of the
-    typical rows per group (tile choice), any value >= 1 is correct."""
-    _check("x", x, torch.bfloat16, 3, x.device)
-    _check_weight(weight, scale_inv, x.shape[2], x.device, grouped=True)
-    _check("masked_m", masked_m, torch.int32, 1, x.device)
-    if weight.shape[0] != x.shape[0] or masked_m.shape[0] != x.shape[0]:
-        raise KernelPreconditionError(f"groups differ: x {x.shape[0]}, weight {weight.shape[0]}, "
-                                      f"masked_m {masked_m.shape[0]}")
-    out = torch.empty(*x.shape[:2], weight.shape[1], dtype=torch.bfloat16, device=x.device)
-    _lib().m_grouped_fp8_gemm_nt_masked(quantize_activations(x), (weight, scale_inv), out, masked_m,
-                                        max(1, int(expected_m)))
-    return out
+def grouped_linear_masked(x: Tensor, group: Tensor, pos: Tensor, masked_m: Tensor, max_m: int,
+                          weight: Tensor, scale_inv: Tensor | None = None, *, expected_m: int = 1) -> Tensor:
+    """Rows ``x [R, K]`` bf16, row i multiplied by ``weight[group[i]]`` -> bf16 ``[R, N]``: one grouped
+    kernel call (DeepGEMM's masked layout) for every group at once, no host sync.
 
-
-def grouped_bf16_masked(x: Tensor, weight: Tensor, masked_m: Tensor, expected_m: int) -> Tensor:
-    """:func:`grouped_linear_masked` for bf16 weights ``[G, N, K]`` (dequantized checkpoints)."""
-    _check("x", x, torch.bfloat16, 3, x.device)
-    _check("weight", weight, torch.bfloat16, 3, x.device)
+    ``group``, ``pos`` [R] int64: row i is slot ``pos[i]`` of group ``group[i]``; the slots of group g
+    are exactly ``0..masked_m[g]-1`` (``masked_m`` [G] int32) and ``masked_m[g] <= max_m``.
+    ``weight`` fp8 ``[G, N, K]`` with ``scale_inv`` ``[G, ceil(N/128), K/128]``, or bf16 ``[G, N, K]``
+    with ``scale_inv`` None. ``expected_m``: typical rows per group (a tile-size hint; any value >= 1
+    is correct). The layout ``[G, Mpad, K]`` pads ``max_m`` to :data:`MASKED_ALIGN` rows: the kernel
+    stores whole row tiles, so an unpadded group's tile would overwrite the next group's rows."""
+    _check("x", x, torch.bfloat16, 2, x.device)
     _check("masked_m", masked_m, torch.int32, 1, x.device)
-    if weight.shape[0] != x.shape[0] or weight.shape[2] != x.shape[2] or masked_m.shape[0] != x.shape[0]:
-        raise KernelPreconditionError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, masked_m "
-                                      f"{tuple(masked_m.shape)} do not agree on groups and K")
-    out = torch.empty(*x.shape[:2], weight.shape[1], dtype=torch.bfloat16, device=x.device)
-    _lib().m_grouped_bf16_gemm_nt_masked(x, weight, out, masked_m, max(1, int(expected_m)))
-    return out
+    G = weight.shape[0]
+    if scale_inv is None:
+        _check("weight", weight, torch.bfloat16, 3, x.device)
+        if weight.shape[2] != x.shape[1]:
+            raise KernelPreconditionError(f"weight {tuple(weight.shape)}: K must equal x's {x.shape[1]}")
+    else:
+        _check_weight(weight, scale_inv, x.shape[1], x.device, grouped=True)
+    if masked_m.shape[0] != G or group.shape != pos.shape or group.shape[0] != x.shape[0]:
+        raise KernelPreconditionError(f"x {tuple(x.shape)}, group {tuple(group.shape)}, pos "
+                                      f"{tuple(pos.shape)}, masked_m {tuple(masked_m.shape)}, {G} groups")
+    mpad = -(-max(1, max_m) // MASKED_ALIGN) * MASKED_ALIGN
+    K, N = x.shape[1], weight.shape[1]
+    out = torch.empty(G, mpad, N, dtype=torch.bfloat16, device=x.device)
+    expected = max(1, int(expected_m))
+    if scale_inv is None:
+        buf = torch.empty(G, mpad, K, dtype=torch.bfloat16, device=x.device)
+        buf[group, pos] = x
+        _lib().m_grouped_bf16_gemm_nt_masked(buf, weight, out, masked_m, expected)
+    else:
+        xq, xs = quantize_activations(x)  # only the real rows
+        bq = torch.empty(G, mpad, K, dtype=FP8, device=x.device)
+        bs = torch.empty(G, mpad, K // GROUP, dtype=torch.float32, device=x.device)
+        bq[group, pos], bs[group, pos] = xq, xs
+        _lib().m_grouped_fp8_fp4_gemm_nt_masked((bq, bs), (weight, scale_inv), out, masked_m, expected)
+    return out[group, pos]
 
 
 # -- torch twins (any device; the oracle of the parity tests) ------------------------------------
@@ -139,17 +150,22 @@ def _dequant(weight: Tensor, scale_inv: Tensor) -> Tensor:
 
 
 def linear_reference(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
-    """:func:`linear` in torch: the same activation quantization, fp32 products, bf16 out."""
+    """:func:`linear` in torch: the same activation quantization, fp32 products, out in ``x.dtype``
+    (bf16 like the kernel for bf16 ``x``; any float dtype and device)."""
     xq, xs = quantize_activations(x)
     xd = (xq.float().view(*xs.shape, GROUP) * xs[..., None]).view(x.shape)
-    return (xd @ _dequant(weight, scale_inv).T).to(torch.bfloat16)
+    return (xd @ _dequant(weight, scale_inv).T).to(x.dtype)
 
 
-def grouped_linear_masked_reference(x: Tensor, weight: Tensor, scale_inv: Tensor, masked_m: Tensor,
-                                    expected_m: int) -> Tensor:
-    """:func:`grouped_linear_masked` in torch (rows past ``masked_m[g]`` are zero here)."""
-    out = torch.zeros(*x.shape[:2], weight.shape[1], dtype=torch.bfloat16, device=x.device)
-    for g, m in enumerate(masked_m.tolist()):
-        if m:
-            out[g, :m] = linear_reference(x[g, :m], weight[g], scale_inv[g])
+def grouped_linear_masked_reference(x: Tensor, group: Tensor, pos: Tensor, masked_m: Tensor, max_m: int,
+                                    weight: Tensor, scale_inv: Tensor | None = None, *,
+                                    expected_m: int = 1) -> Tensor:
+    """:func:`grouped_linear_masked` in torch (fp8: the twin's arithmetic; bf16: fp32 products)."""
+    out = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
+    for g in torch.unique(group).tolist():
+        rows = (group == g).nonzero()[:, 0]
+        if scale_inv is None:
+            out[rows] = (x[rows].float() @ weight[g].float().T).to(x.dtype)
+        else:
+            out[rows] = linear_reference(x[rows], weight[g], scale_inv[g])
     return out

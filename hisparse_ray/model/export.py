@@ -113,3 +113,49 @@ def write_checkpoint(path: str | Path, config: dict[str, Any], items: Iterable[t
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return weight_map
+
+
+def deepseek_v32_config(num_layers: int = 1, vocab_size: int = 129280, *, dense_layers: int = 0) -> DSAConfig:
+    """DeepSeek-V3.2's shapes (hidden 7168, 128 heads, MLA 1536 / 512 + 64, indexer 64 x 128
+    top-2048, 256 routed experts + 1 shared of 2048, yarn rope) with ``num_layers`` layers, the
+    first ``dense_layers`` dense (the release: 61 and 3). For real-size benchmark layers."""
+    from hisparse_ray.model.config import RopeConfig
+
+    return DSAConfig(
+        kind="deepseek_v32", vocab_size=vocab_size, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=num_layers, num_attention_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        index_n_heads=64, index_head_dim=128, index_topk=2048, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rms_norm_eps=1e-6, max_position_embeddings=163840,
+        mlp_layer_types=("dense",) * dense_layers + ("sparse",) * (num_layers - dense_layers),
+        indexer_types=("full",) * num_layers,
+        rope=RopeConfig("yarn", 10000.0, factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+                        mscale_all_dim=1.0))
+
+
+def random_items(cfg: DSAConfig, seed: int = 0, device: str | torch.device = "cpu") -> Iterator[tuple[str, Tensor]]:
+    """Seeded random weights of a ``cfg`` model under the released keys, generated one tensor at a
+    time on ``device`` (a real-size layer never exists whole in memory): ``1/sqrt(fan_in)`` linears,
+    unit embeddings, norms near 1 (as :func:`hisparse_ray.model.model.init_random_`)."""
+    from hisparse_ray.model.model import DSAModel
+
+    with torch.device("meta"):
+        meta = DSAModel(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for key, t in model_items(meta):
+        shape = t.shape
+
+        def normal(std: float) -> Tensor:
+            return torch.randn(shape, generator=gen, device=device) * std
+
+        if key.endswith(("norm.weight", "layernorm.weight")):
+            yield key, 1.0 + normal(0.1)
+        elif key.endswith("embed_tokens.weight"):
+            yield key, normal(1.0)
+        elif key.endswith("e_score_correction_bias"):
+            yield key, normal(0.1)
+        elif len(shape) >= 2:
+            yield key, normal(shape[-1] ** -0.5)
+        else:
+            yield key, normal(0.02)

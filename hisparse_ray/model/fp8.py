@@ -94,6 +94,12 @@ def dequantize(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = BLOCK
     """``weight`` fp8 ``[..., n, k]`` (possibly a slice starting at row ``row0``, column ``col0`` of
     the full tensor) times its block scales -> ``dtype``. Computed in fp32, rounded once."""
     n, k = weight.shape[-2:]
+    bm, bn = block
+    if row0 % bm == 0 and col0 % bn == 0 and n % bm == 0 and k % bn == 0:  # whole blocks: broadcast
+        lead = weight.shape[:-2]
+        w = weight.float().view(*lead, n // bm, bm, k // bn, bn)
+        s = scale_inv.float()[..., : n // bm, None, : k // bn, None]
+        return (w * s).view(*lead, n, k).to(dtype)
     return (weight.float() * expand_scales(scale_inv, n, k, block, row0, col0)).to(dtype)
 
 
@@ -115,6 +121,25 @@ def quantize(w: Tensor, block: tuple[int, int] = BLOCK, *, ue8m0: bool = True) -
     return q.view(*lead, pn, pk)[..., :n, :k].contiguous(), scale.contiguous()
 
 
+def fp8_matmul(backend: str, x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """``x [M, K] @ dequant(weight).T`` through the fp8 GEMM (``"kernel"``) or its torch twin."""
+    from hisparse_ray.kernels import fp8_gemm
+
+    fn = fp8_gemm.linear if backend == "kernel" else fp8_gemm.linear_reference
+    return fn(x, weight, scale_inv)
+
+
+def set_fp8_backend(model: nn.Module, backend: str) -> None:
+    """Run every fp8 weight of ``model`` through the GEMM kernel (``"kernel"``, the default) or its
+    torch twin (``"torch"``: quantizes activations identically, multiplies dequantized weights in
+    fp32; any device), e.g. to separate kernel error from quantization error."""
+    if backend not in ("kernel", "torch"):
+        raise ConfigError("fp8_backend", backend, "one of 'kernel', 'torch'")
+    for mod in model.modules():
+        if hasattr(mod, "fp8_backend"):
+            mod.fp8_backend = backend
+
+
 class Fp8Linear(nn.Module):
     """A linear layer whose weight stays fp8: ``weight`` float8_e4m3fn ``[out, in]`` and
     ``weight_scale_inv`` fp32 ``[ceil(out/128), in/128]`` (the checkpoint's names, so its state
@@ -133,11 +158,12 @@ class Fp8Linear(nn.Module):
             requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward_no_bias(self, x: Tensor) -> Tensor:
-        from hisparse_ray.kernels import fp8_gemm
+    fp8_backend = "kernel"  # or "torch": the kernel's torch twin (same quantization; tests, CPU)
 
+    def forward_no_bias(self, x: Tensor) -> Tensor:
         shape = x.shape
-        out = fp8_gemm.linear(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.weight_scale_inv)
+        out = fp8_matmul(self.fp8_backend, x.reshape(-1, shape[-1]).contiguous(), self.weight,
+                         self.weight_scale_inv)
         return out.view(*shape[:-1], self.out_features)
 
     def forward(self, x: Tensor) -> Tensor:

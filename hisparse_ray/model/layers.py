@@ -102,6 +102,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
         self.fp8_block: tuple[int, int] | None = None
+        self.fp8_backend = "kernel"  # see hisparse_ray.model.fp8.set_fp8_backend
         self.path = "reference"
 
     def to_fp8_(self, block: tuple[int, int]) -> "Experts":
@@ -123,9 +124,9 @@ class Experts(nn.Module):
         w = getattr(self, name)[e]
         if self.fp8_block is None:
             return F.linear(x, w)
-        from hisparse_ray.kernels import fp8_gemm
+        from hisparse_ray.model.fp8 import fp8_matmul
 
-        return fp8_gemm.linear(x.contiguous(), w, getattr(self, f"{name}_scale_inv")[e])
+        return fp8_matmul(self.fp8_backend, x.contiguous(), w, getattr(self, f"{name}_scale_inv")[e])
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """``x [N, D]``, ``weights [N, k]`` fp32, ``experts [N, k]`` -> ``[N, D]`` in ``x.dtype``."""
@@ -149,7 +150,7 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert; token order kept within an expert
         tok, slot = order // k, order % k
-        if x.is_cuda and N <= self.MASKED_MAX_TOKENS and self._masked_kernel(x):
+        if x.is_cuda and N <= self.MASKED_MAX_TOKENS and self.fp8_backend == "kernel" and self._masked_kernel(x):
             return self._grouped_masked(x, weights, flat, order, tok, slot)
         out = torch.zeros_like(x)
         start = 0
@@ -178,15 +179,10 @@ class Experts(nn.Module):
         pos = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[ex]
         masked_m, expected = counts.to(torch.int32), max(1, flat.numel() // E)
 
-        def grouped(rows: Tensor, name: str) -> Tensor:
-            buf = torch.zeros(E, N, rows.shape[-1], dtype=x.dtype, device=x.device)
-            buf[ex, pos] = rows
-            w = getattr(self, name)
-            if self.fp8_block is None:
-                h = fp8_gemm.grouped_bf16_masked(buf, w, masked_m, expected)
-            else:
-                h = fp8_gemm.grouped_linear_masked(buf, w, getattr(self, f"{name}_scale_inv"), masked_m, expected)
-            return h[ex, pos]
+        def grouped(rows: Tensor, name: str) -> Tensor:  # an expert sees a token at most once: <= N rows
+            scale = getattr(self, f"{name}_scale_inv") if self.fp8_block is not None else None
+            return fp8_gemm.grouped_linear_masked(rows.contiguous(), ex, pos, masked_m, N, getattr(self, name),
+                                                  scale, expected_m=expected)
 
         gate, up = grouped(x[tok], "gate_up_proj").chunk(2, dim=-1)
         y = grouped(F.silu(gate) * up, "down_proj") * weights[tok, slot, None]

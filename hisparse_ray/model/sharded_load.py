@@ -36,11 +36,11 @@ from torch import Tensor, nn
 
 from hisparse_ray.errors import CheckpointError, ConfigError
 from hisparse_ray.model.checkpoint import Checkpoint
-from hisparse_ray.model.fp8 import FP8, Fp8Linear, dequantize
+from hisparse_ray.model.fp8 import FP8, Fp8Linear, dequantize, set_fp8_backend
 from hisparse_ray.model.layers import Experts
 from hisparse_ray.model.model import DSAModel
 
-FP8_MODES = ("auto", "kernel", "dequantize")
+FP8_MODES = ("auto", "kernel", "dequantize", "torch")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 # linears run through their module's forward (fp8-capable); kv_b_proj is read as a weight
@@ -180,7 +180,8 @@ def _swap_to_fp8(model: DSAModel, plan: _Plan) -> None:
         parent_name, attr = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
         old = getattr(parent, attr)
-        setattr(parent, attr, Fp8Linear(old.in_features, old.out_features, old.bias is not None, block))
+        out_f, in_f = old.weight.shape  # after shard_heads (out|in)_features still name the full layer
+        setattr(parent, attr, Fp8Linear(in_f, out_f, old.bias is not None, block))
         (p,) = plan.pieces[f"{name}.weight"]
         plan.pieces[f"{name}.weight"] = [Piece(p.key, (), p.rows, p.cols, raw=True)]
         plan.pieces[f"{name}.weight_scale_inv"] = [
@@ -204,8 +205,8 @@ def _swap_to_fp8(model: DSAModel, plan: _Plan) -> None:
 def _fill(param: Tensor, piece: Piece, reader, scales: dict[str, Tensor], plan: _Plan) -> None:
     ckpt = plan.ckpt
     info = ckpt.info(piece.key)
-    t = reader.read(piece.key, piece.rows, piece.cols)
     dst = param[piece.dst] if piece.dst else param
+    t = reader.read(piece.key, piece.rows, piece.cols).to(dst.device)  # convert where the weight lives
     if piece.raw:
         value = t
     elif info.dtype == FP8:
@@ -213,14 +214,14 @@ def _fill(param: Tensor, piece: Piece, reader, scales: dict[str, Tensor], plan: 
         c0 = piece.cols.start if piece.cols else 0
         bm, bn = ckpt.fp8.block
         s = scales[piece.key[: -len("weight")] + "weight_scale_inv"]
-        s = s[r0 // bm: -(-(r0 + t.shape[0]) // bm), c0 // bn: -(-(c0 + t.shape[1]) // bn)]
+        s = s[r0 // bm: -(-(r0 + t.shape[0]) // bm), c0 // bn: -(-(c0 + t.shape[1]) // bn)].to(dst.device)
         value = dequantize(t, s, ckpt.fp8.block, dtype=dst.dtype, row0=r0, col0=c0)
     else:
         value = t
     if tuple(value.shape) != tuple(dst.shape):
         raise CheckpointError(info.file, piece.key, f"slice {list(value.shape)} does not fit "
                               f"{list(dst.shape)} (sharding bug or inconsistent config)")
-    dst.copy_(value.to(dst.dtype) if not piece.raw else value)
+    dst.copy_(value)
 
 
 def load_checkpoint(
@@ -235,7 +236,8 @@ def load_checkpoint(
 ) -> DSAModel:
     """Rank ``rank`` of ``tp_size``'s model from a checkpoint folder (see the module docstring).
     ``fp8``: ``"auto"`` (fp8 GEMM where supported, else dequantize), ``"kernel"`` (fp8 GEMM or a
-    :class:`ConfigError`), ``"dequantize"``; ignored for unquantized checkpoints. ``group``: the TP
+    :class:`ConfigError`), ``"dequantize"``, ``"torch"`` (weights kept fp8, multiplied by the
+    GEMM's torch twin: any device and dtype, slow; tests); ignored for unquantized checkpoints. ``group``: the TP
     process group (default group when None) for the per-layer all-reduce."""
     from hisparse_ray.kernels import fp8_gemm
 
@@ -248,10 +250,13 @@ def load_checkpoint(
         raise ConfigError("tp_size", tp_size, f"must divide num_attention_heads {cfg.num_attention_heads} "
                           f"(rank {rank})")
     keep_fp8 = ckpt.fp8 is not None and fp8 != "dequantize" and (
-        fp8 == "kernel" or fp8_gemm.supported(device))
-    if keep_fp8 and (not fp8_gemm.supported(device) or dtype != torch.bfloat16 or ckpt.fp8.block != (128, 128)):
+        fp8 in ("kernel", "torch") or fp8_gemm.supported(device))
+    if keep_fp8 and ckpt.fp8.block != (128, 128):
+        raise ConfigError("fp8", fp8, f"weights kept fp8 need 128x128 blocks, the checkpoint has "
+                          f"{ckpt.fp8.block}; use 'dequantize'")
+    if keep_fp8 and fp8 != "torch" and (not fp8_gemm.supported(device) or dtype != torch.bfloat16):
         raise ConfigError("fp8", fp8, "'kernel' needs a CUDA device of compute capability 9.x with "
-                          "sgl-deep-gemm, dtype bfloat16 and 128x128 blocks; use 'dequantize'")
+                          "sgl-deep-gemm and dtype bfloat16; use 'dequantize'")
     with torch.device("meta"):
         model = DSAModel(cfg)
     model.cast_(dtype)
@@ -285,4 +290,6 @@ def load_checkpoint(
             with ckpt.reader(file) as r:
                 for name, piece in by_file[file]:
                     _fill(params[name].data, piece, r, scales, plan)
-    return model.eval()
+    if keep_fp8 and fp8 == "torch":
+        set_fp8_backend(model, "torch")
+    return model.requires_grad_(False).eval()
