@@ -82,9 +82,30 @@ def _check_weight(weight: Tensor, scale_inv: Tensor, k: int, device: torch.devic
                                       f"{tuple(weight.shape)} (128x128 blocks)")
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_quant():
+    """sglang-kernel's one-kernel per-token-group fp8 quantization, when installed (else None)."""
+    try:
+        from sgl_kernel import sgl_per_token_group_quant_8bit
+    except Exception:
+        return None
+    return sgl_per_token_group_quant_8bit
+
+
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     """``x [..., K]`` -> ``(xq float8_e4m3fn [..., K], xs fp32 [..., K/128])``, one scale per token
-    and group of 128 values (amax / 448, at least 1e-10 / 448)."""
+    and group of 128 values (amax / 448, at least 1e-10 / 448). On CUDA with sglang-kernel
+    installed one fused kernel does it (same rule; the torch ops below are its twin)."""
+    fused = _fused_quant() if x.is_cuda and x.dim() == 2 and x.is_contiguous() and x.shape[0] else None
+    if fused is not None:
+        xq = torch.empty(x.shape, dtype=FP8, device=x.device)
+        xs = torch.empty(x.shape[0], x.shape[1] // GROUP, dtype=torch.float32, device=x.device)
+        fused(x, xq, xs, GROUP, 1e-10, -FP8_MAX, FP8_MAX)
+        return xq, xs
+    return _quantize_torch(x)
+
+
+def _quantize_torch(x: Tensor) -> tuple[Tensor, Tensor]:
     *lead, k = x.shape
     g = x.float().view(*lead, k // GROUP, GROUP)
     xs = g.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
@@ -152,7 +173,7 @@ def _dequant(weight: Tensor, scale_inv: Tensor) -> Tensor:
 def linear_reference(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     """:func:`linear` in torch: the same activation quantization, fp32 products, out in ``x.dtype``
     (bf16 like the kernel for bf16 ``x``; any float dtype and device)."""
-    xq, xs = quantize_activations(x)
+    xq, xs = _quantize_torch(x)
     xd = (xq.float().view(*xs.shape, GROUP) * xs[..., None]).view(x.shape)
     return (xd @ _dequant(weight, scale_inv).T).to(x.dtype)
 

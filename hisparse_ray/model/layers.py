@@ -175,7 +175,8 @@ class Experts(nn.Module):
 
         E, N = self.gate_up_proj.shape[0], x.shape[0]
         ex = flat[order]
-        counts = torch.bincount(flat, minlength=E)
+        # no host sync (CUDA-graph capturable): bincount would read the max id back
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         pos = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[ex]
         masked_m, expected = counts.to(torch.int32), max(1, flat.numel() // E)
 
