@@ -4,12 +4,13 @@ loaded layer with fp8 GEMMs vs the same weights dequantized to bf16, same run.
 1. Writes a DeepSeek-V3.2 decoder layer at real size (hidden 7168, 128 heads, 256 routed experts +
    1 shared of 2048, fp8 block-quantized random weights, the released format: ~11.5 GB) to
    ``--dir`` (a temp dir by default, removed after). ``--tiny``: a small layer on the CPU.
-2. Loads it once per TP rank (``--tp``), each in a fresh process that reports its load time, its
-   peak RSS (``ru_maxrss``) and RSS before loading, against the checkpoint size: a rank reads only
-   its slices, one shard mapped at a time.
-3. Times decode steps of the loaded layer (``DSAModel.decode`` over a dense KV cache of
+2. Loads it once per TP rank (``--tp``; and TP 1), each in a fresh process that reports its load
+   time and its peak RSS during the load (``VmHWM`` after a reset) against the checkpoint size: a
+   rank reads only its slices, one shard mapped at a time.
+3. Times decode steps of the loaded layer (``DSAModel.decode``, eager, over a dense KV cache of
    ``--context`` rows per request, MoE on the grouped path) for each ``--batches`` size, fp8
-   (weights kept fp8, DeepGEMM) and dequantized bf16 in the same process.
+   (weights kept fp8, DeepGEMM) and dequantized bf16 in the same process; on CUDA also the
+   layer's MoE alone replayed as a CUDA graph (no launch overhead: what the weights cost).
 
     python benchmarks/bench_checkpoint.py                 # H200: real-size layer
     python benchmarks/bench_checkpoint.py --tiny          # CPU
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -55,9 +55,9 @@ def layer_config(tiny: bool):
     return cfg
 
 
-def _rss() -> int:
+def _rss(key: str = "VmRSS:") -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(key):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -67,6 +67,13 @@ def child_load(args) -> None:
     if args.device == "cuda":
         torch.empty(1, device="cuda")  # CUDA context before the baseline
     ckpt = Checkpoint(args.dir)
+    from hisparse_ray.model.config import tiny_config
+    from hisparse_ray.model.model import DSAModel
+
+    with torch.device("meta"):  # the first meta build imports torch's lazy modules (~0.1 GB)
+        DSAModel(tiny_config())
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS: the load's own peak follows
     before = _rss()
     t0 = time.perf_counter()
     model = load_checkpoint(ckpt, dtype=torch.bfloat16, device=args.device, rank=args.rank,
@@ -74,7 +81,7 @@ def child_load(args) -> None:
     if args.device == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _rss("VmHWM:")
     params = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(json.dumps({"rank": args.rank, "tp": args.tp, "fp8": args.fp8, "load_s": load_s,
                       "rss_before": before, "rss_peak": peak, "rss_after": _rss(),
