@@ -15,23 +15,34 @@ PUSH_WITH_PREFILL = ("auto", "always", "never")
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """The model every actor of a deployment builds: a built-in DSA model of ``kind`` with random
-    weights from ``seed`` (identical on every actor). ``dtype``: "float32" (CPU, tests) or
-    "bfloat16" (GPU). ``shape``: "tiny" (the embedded default, 4 layers of 48-value rows) or
-    "landing" (DeepSeek-V3.2's KV bytes per token around a tiny network, ``num_layers`` layers
-    of 576-value rows: for landing and capacity benchmarks)."""
+    """The model every actor of a deployment builds. ``kind``: a built-in DSA kind with random
+    weights from ``seed`` (identical on every actor), or the path of a local HF model folder
+    (config.json, safetensors shards, tokenizer: :func:`hisparse_ray.model.source.resolve`; every
+    rank reads only its slices). ``dtype``: "float32" (CPU, tests) or "bfloat16" (GPU). ``shape``
+    (built-in kinds): "tiny" (the embedded default, 4 layers of 48-value rows) or "landing"
+    (DeepSeek-V3.2's KV bytes per token around a tiny network, ``num_layers`` layers of 576-value
+    rows: for landing and capacity benchmarks). ``fp8`` (fp8 folders): "auto" (fp8 GEMM on sm90,
+    else dequantized at load), "kernel", "dequantize"."""
 
     kind: str = "deepseek_v32"
     seed: int = 0
     dtype: str = "float32"
     shape: str = "tiny"
     num_layers: int = 61  # "landing" shape only
+    fp8: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("dtype", self.dtype, "one of 'float32', 'bfloat16'")
-        if self.shape not in ("tiny", "landing"):
-            raise ConfigError("shape", self.shape, "one of 'tiny', 'landing'")
+        if self.fp8 not in ("auto", "kernel", "dequantize"):
+            raise ConfigError("fp8", self.fp8, "one of 'auto', 'kernel', 'dequantize'")
+        src = self.source()  # a bad kind, shape or folder fails here, before anything starts
+        object.__setattr__(self, "kind", src.name)  # a folder as an absolute path: same on every node
+
+    def source(self):
+        from hisparse_ray.model.source import resolve
+
+        return resolve(self.kind, seed=self.seed, shape=self.shape, num_layers=self.num_layers)
 
     def torch_dtype(self):
         import torch
@@ -39,18 +50,17 @@ class ModelSpec:
         return getattr(torch, self.dtype)
 
     def dsa_config(self):
-        from hisparse_ray.model.config import landing_config, tiny_config
+        return self.source().config
 
-        if self.shape == "landing":
-            return landing_config(self.kind, self.num_layers)
-        return tiny_config(self.kind)
+    def build(self, device: str = "cpu", *, rank: int = 0, tp_size: int = 1):
+        """Rank ``rank`` of ``tp_size``'s model on ``device`` (the whole model at TP 1; the TP group
+        is the default process group); same weights wherever it is built."""
+        return self.source().load(dtype=self.torch_dtype(), device=device, rank=rank, tp_size=tp_size,
+                                  fp8=self.fp8)
 
-    def build(self, device: str = "cpu"):
-        """The full (unsharded) model on ``device``; same weights wherever it is built."""
-        from hisparse_ray.model.model import build_random_model
-
-        return build_random_model(self.dsa_config(), self.seed, dtype=self.torch_dtype(),
-                                  device=device)
+    def tokenizer(self):
+        """The folder's HF tokenizer, or the built-in kinds' byte tokenizer."""
+        return self.source().tokenizer()
 
     def kv_layout(self, page_size: int) -> KVLayout:
         """The KV row layout of this model: ``row_dim`` values of ``dtype`` per (token, layer)."""

@@ -83,7 +83,7 @@ def _specs(args: argparse.Namespace, cfg: HiSparseConfig):
     from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
 
     gpu = _use_gpu(args.device)
-    model = ModelSpec(kind=args.model, seed=args.seed, dtype=args.dtype)
+    model = ModelSpec(kind=args.model, seed=args.seed, dtype=args.dtype, fp8=args.fp8)
     replica = ReplicaSpec(model=model, hisparse=cfg, page_size=args.page_size,
                           num_device_blocks=args.device_blocks, tp_size=args.tp,
                           gpus_per_rank=gpus_per_rank(args.gpus_per_rank, args.tp,
@@ -211,11 +211,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from hisparse_ray.actors import launch
 
-    from hisparse_ray.model.tokenizer import ByteTokenizer
-
     cfg = load_config(args.config)
     replica_spec, prefill_spec = _specs(args, cfg)
-    tok = ByteTokenizer()
+    tok = replica_spec.model.tokenizer()  # the folder's, or the byte tokenizer of the built-ins
     requests: list[tuple[str, list[int]]] = []
     for i, text in enumerate(args.prompt or []):
         requests.append((f"p{i}", tok.encode(text)))
@@ -260,7 +258,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from hisparse_ray.serve import build_app
 
     options = {k: getattr(args, k) for k in (
-        "config", "tp", "model", "seed", "dtype", "page_size", "device_blocks", "device",
+        "config", "tp", "model", "seed", "dtype", "fp8", "page_size", "device_blocks", "device",
         "gpus_per_rank", "max_new_tokens", "num_replicas", "request_timeout_s")}
     app = build_app(options)  # option errors before anything starts
     stop = threading.Event()
@@ -310,8 +308,12 @@ def _deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="HiSparse config: a JSON file or inline JSON (SGLang "
                    "--hisparse-config keys + host_pool_gib); default: the demo config")
     p.add_argument("--tp", type=int, default=2, help="decode tensor-parallel ranks (default 2)")
-    p.add_argument("--model", default="deepseek_v32", choices=["deepseek_v32", "glm_moe_dsa"],
-                   help="tiny built-in model kind")
+    p.add_argument("--model", default="deepseek_v32",
+                   help="a built-in kind (deepseek_v32, glm_moe_dsa: tiny, random weights) or a "
+                        "local HF model folder (config.json, safetensors shards, tokenizer; "
+                        "DeepSeek-V3.2 / GLM-5, fp8 block-quantized included)")
+    p.add_argument("--fp8", choices=["auto", "kernel", "dequantize"], default="auto",
+                   help="fp8 checkpoints: fp8 GEMMs on sm90 GPUs (auto), or dequantize at load")
     p.add_argument("--seed", type=int, default=0, help="model weights and demo prompts seed")
     p.add_argument("--page-size", type=int, default=8, help="positions per page / host block")
     p.add_argument("--device-blocks", type=int, default=16,

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 #: ``build_app`` options and their defaults (the CLI's deployment flags, same meaning)
 DEFAULTS: dict[str, Any] = {
     "config": None,  # HiSparse config: dict, inline JSON or a JSON file path; None = demo config
-    "tp": 2, "model": "deepseek_v32", "seed": 0, "dtype": "float32", "page_size": 8,
+    "tp": 2, "model": "deepseek_v32", "seed": 0, "dtype": "float32", "fp8": "auto", "page_size": 8,
     "device_blocks": 16, "device": "auto", "gpus_per_rank": None,
     "max_new_tokens": 16,  # default per request
     "max_new_tokens_limit": 4096,  # the most a request may ask for
@@ -74,7 +74,8 @@ def _specs(options: dict[str, Any]):
     cfg = options["config"]
     cfg = cli.load_config(json.dumps(cfg) if isinstance(cfg, dict) else cfg)
     ns = argparse.Namespace(**{k: options[k] for k in (
-        "tp", "model", "seed", "dtype", "page_size", "device_blocks", "device", "gpus_per_rank")})
+        "tp", "model", "seed", "dtype", "page_size", "device_blocks", "device", "gpus_per_rank",
+        "fp8")})
     try:
         return cli._specs(ns, cfg)
     except SystemExit as err:  # the CLI's own argument errors
@@ -87,11 +88,14 @@ class HiSparseServer:
 
     def __init__(self, replica_spec, prefill_spec, options: dict[str, Any] | None = None) -> None:
         from hisparse_ray.actors import launch
-        from hisparse_ray.cli import ByteTokenizer
+        from hisparse_ray.errors import CheckpointError
 
         self.options = {**DEFAULTS, **(options or {})}
         self.vocab_size = int(replica_spec.model.dsa_config().vocab_size)
-        self.tokenizer = ByteTokenizer() if self.vocab_size == ByteTokenizer.vocab_size else None
+        try:  # a model folder's HF tokenizer, or the built-in kinds' byte tokenizer
+            self.tokenizer = replica_spec.model.tokenizer()
+        except CheckpointError:  # a folder without tokenizer files: requests send 'ids'
+            self.tokenizer = None
         t0 = time.monotonic()
         self.replica = launch.launch_deployment(
             replica_spec, prefill_spec, decode_resources=self.options["decode_resources"],
