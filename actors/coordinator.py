@@ -1,6 +1,9 @@
-"""Coordinator actor (ring 3): wraps the pure coordinator core of one decode replica, drives the
-decode step loop over shared-memory channels to its co-located TP ranks, and lands admitted
-requests through prefill workers (NIXL). Plain class; made remote in
+"""The coordinator actor of one decode replica (ring 3): :class:`ReplicaCoordinator` wraps the
+pure coordinator core (:class:`hisparse_ray.core.coordinator.Coordinator`), drives the decode step
+loop over shared-memory channels to its co-located TP ranks
+(:class:`~hisparse_ray.channel.fanout.RankChannels`), and lands admitted requests through prefill
+workers (NIXL; :class:`~hisparse_ray.actors.lander.Lander`, to which it is the
+:class:`~hisparse_ray.landing.context.LandingSink`). Plain class; made remote in
 :mod:`hisparse_ray.actors.launch`.
 
 Threads: Ray method calls (``submit``, ``wait``, ``metrics``...) run on the actor's thread pool;
@@ -11,80 +14,80 @@ never while waiting on a channel, a NIXL transfer or a Ray call.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 
-from hisparse_ray.actors.landing import RankEndpoint, StagingPool
 from hisparse_ray.actors.lander import Lander
-from hisparse_ray.actors.records import RecordBook, RequestRecord
-from hisparse_ray.actors.spec import ReplicaSpec
-from hisparse_ray.channel import ChannelPair
-from hisparse_ray.core.config import CoordinatorConfig
-from hisparse_ray.core.coordinator import Coordinator as CoreCoordinator
+from hisparse_ray.channel.fanout import RankChannels
+from hisparse_ray.core.coordinator import Coordinator
+from hisparse_ray.core.records import RecordBook, RequestRecord
+from hisparse_ray.deploy import ReplicaSpec
 from hisparse_ray.errors import (
     ChannelError, DuplicateRequestError, HiSparseError, StateError, UnknownRequestError,
 )
+from hisparse_ray.landing.context import LandingContext
+from hisparse_ray.landing.staging import StagingPool
 from hisparse_ray.types import Admission, RequestId, RequestState
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from hisparse_ray.actors.decode_worker import DecodeWorker
+    from hisparse_ray.actors.prefill_worker import PrefillWorker
+
 IDLE_WAIT_S = 0.02
-REPORT_POLL_S = 0.005  # per-channel wait while collecting a step's reports
 
 
-class Coordinator:
-    """One decode replica's coordinator. Lifecycle: construct (spec, rank handles) -> ``start``
+class ReplicaCoordinator:
+    """One decode replica's coordinator actor. Lifecycle: construct (spec, rank handles) -> ``start``
     (channels + step thread) -> ``add_prefill`` (NIXL metadata exchange; lander thread) ->
     ``submit`` / ``wait`` / ``result`` -> ``shutdown``.
 
     Invariant: a request is in exactly one of: waiting in the core, queued for landing, landing,
     decoding, done (record finished; core state freed). A failed landing releases every lease
     (``apply_landing_failed``) before the request is reported done with its typed error.
+
+    Its landers see the replica through ``self.landing`` (a ``LandingContext``) and report through
+    this object's ``LandingSink`` methods (``landed``, ``landing_failed``, ``reroute``, ``fence``,
+    ``abort_requested``); nothing else of it.
     """
 
-    def __init__(self, spec: ReplicaSpec, ranks: list[Any]) -> None:
+    def __init__(self, spec: ReplicaSpec, ranks: list[ActorHandle[DecodeWorker]]) -> None:
         self.spec = spec
         self.ranks = ranks
-        self.endpoints: list[RankEndpoint] = ray.get([r.endpoint.remote() for r in ranks])
-        self.core_config = CoordinatorConfig.from_hisparse(
-            spec.hisparse, spec.layout, spec.num_device_blocks, tp_size=spec.tp_size,
-            max_batch=spec.max_batch)
-        self.core = CoreCoordinator(self.core_config)
+        self.endpoints = tuple(ray.get([r.endpoint.remote() for r in ranks]))
+        self.core = Coordinator(spec.core_config)
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.records = RecordBook()  # submit -> done -> taken / forgotten (see RecordBook)
         self._prompts: dict[str, list[int]] = {}
         self._route: dict[str, int] = {}
-        self._channels: list[ChannelPair] = []
+        self.channels: RankChannels | None = None  # after start()
         self._landers: list[Lander] = []
         blocks = self.endpoints[0].staging_blocks
         self.staging = StagingPool(blocks) if blocks else None  # rank 0's, FIFO over all landers
+        self.landing = LandingContext(spec, self.endpoints, tuple(ranks), self.staging)
         self._next_lander = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
         self.hot_hits = self.hot_misses = 0
-        self.step_s: collections.deque = collections.deque(maxlen=100_000)
-        self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, round trip s)
-        # (step, start, (sent per rank), (report found per rank), (decoded per rank)):
-        # perf_counter() stamps, comparable with the ranks' traces (one clock per host)
-        self.step_trace: collections.deque = collections.deque(maxlen=100_000)
-        self._channel_lock = threading.Lock()  # one user of the rank channels at a time
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
         """Open one channel pair per rank, hand the ranks their ends, start the step thread."""
         if self._thread is not None:
             raise StateError("coordinator already started")
-        self._channels = [ChannelPair.create(policy=self.spec.wait_policy()) for _ in self.ranks]
-        ray.get([r.attach_channel.remote(ch.spec) for r, ch in zip(self.ranks, self._channels)])
+        self.channels = RankChannels(len(self.ranks), self.spec.wait_policy())
+        ray.get([r.attach_channel.remote(spec) for r, spec in zip(self.ranks, self.channels.specs)])
         self._thread = threading.Thread(target=self._step_loop, name="coordinator-steps", daemon=True)
         self._thread.start()
 
-    def add_prefill(self, prefill: Any, host_landing: str = "auto") -> str:
+    def add_prefill(self, prefill: ActorHandle[PrefillWorker], host_landing: str = "auto") -> str:
         """Exchange NIXL agent metadata between ``prefill`` and every rank (both directions) and
         start a lander thread for it. ``host_landing``: "auto" (direct when the transport writes
         host memory natively from the prefill's send buffer, else staged), "direct" or "staged".
@@ -101,7 +104,7 @@ class Coordinator:
         if not direct and not self.endpoints[0].staging_layers:
             raise StateError("the prefill peer cannot write host memory natively and the replica "
                              "has no staging pool (staging_blocks=0)")
-        lander = Lander(self, prefill, agent, direct=direct)
+        lander = Lander(self.landing, self, prefill, agent, direct=direct)
         self._landers.append(lander)
         lander.start()
         return lander.path
@@ -113,9 +116,8 @@ class Coordinator:
             lander.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        for ch in self._channels:
-            ch.close()
-        self._channels = []
+        if self.channels is not None:
+            self.channels.close()
 
     # -- requests ------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], max_new_tokens: int,
@@ -162,7 +164,7 @@ class Coordinator:
                 return
             index = live[self._next_lander % len(live)]
             self._next_lander += 1
-        self._landers[index].enqueue(adm, self._prompts[adm.request_id])
+        self._landers[index].enqueue(adm, self._prompts[adm.request_id], rec.max_new_tokens)
 
     def reroute(self, adm: Admission) -> None:
         """Lander: it was retired with ``adm`` still queued; hand it to a live lander (or fail
@@ -348,7 +350,7 @@ class Coordinator:
             c = self.core.counters
             self.core.check_invariants()
         looked = self.hot_hits + self.hot_misses
-        steps = sorted(self.step_s)
+        steps = sorted(dt for _, dt in self.channels.log) if self.channels is not None else []
         return {
             "counters": {k: getattr(c, k) for k in c.__slots__},
             "hot_hits": self.hot_hits, "hot_misses": self.hot_misses,
@@ -370,42 +372,9 @@ class Coordinator:
             "in_flight": self.records.in_flight,
         }
 
-    def _gather_reports(self, timeout: float) -> tuple[list, list[float], list[float]]:
-        """One report per rank, taken in whatever order they arrive, so that a dead rank is
-        noticed at once (``ChannelPeerLostError``) even while a live one is blocked in a
-        collective waiting for it; with each report's ``perf_counter`` stamps (found, decoded)
-        for the step trace. ``ChannelTimeoutError`` after ``timeout`` s."""
-        from hisparse_ray.errors import ChannelTimeoutError
-
-        reports: list = [None] * len(self._channels)
-        found = [0.0] * len(self._channels)
-        decoded = [0.0] * len(self._channels)
-        deadline = time.monotonic() + timeout
-        turn = -1
-        while True:
-            missing = []
-            for i, ch in enumerate(self._channels):  # take every report already there
-                if reports[i] is None:
-                    if ch.inbox.pending():
-                        reports[i] = ch.recv(0)
-                        found[i], decoded[i] = ch.ready_t, time.perf_counter()
-                    else:
-                        missing.append(i)
-            if not missing:
-                return reports, found, decoded
-            if time.monotonic() >= deadline:
-                raise ChannelTimeoutError(f"no step report from ranks {missing} after {timeout} s")
-            # wait on one missing channel (in turn: each peer's liveness gets checked), waking
-            # for any other: a rank that reports first is decoded while the slower one still
-            # works, off the step's critical path
-            turn += 1
-            k = missing[turn % len(missing)]
-            self._channels[k].inbox.wait_pending(
-                REPORT_POLL_S, tuple(self._channels[i].inbox for i in missing if i != k))
-
     def get_step_log(self) -> list[tuple[int, float]]:
         """(step, command-to-last-report seconds) of the recent steps (benchmarks)."""
-        return list(self.step_log)
+        return list(self.channels.log) if self.channels is not None else []
 
     def get_landing_trace(self) -> list[tuple[str, float, float, float]]:
         """(request id, prefill done, first chunk issued, every call ended) ``perf_counter``
@@ -414,29 +383,16 @@ class Coordinator:
         return [t for lander in self._landers for t in lander.trace]
 
     def get_step_trace(self) -> list[tuple]:
-        """(step, start, sent per rank, report found per rank, decoded per rank)
+        """(step, start, sent per rank, report found per rank, loaded per rank)
         ``perf_counter`` stamps of the recent steps (benchmarks; see ``DecodeWorker``)."""
-        return list(self.step_trace)
+        return list(self.channels.trace) if self.channels is not None else []
 
     def probe_control_plane(self, n: int) -> list[float]:
         """Round-trip seconds of ``n`` empty StepCommands through every rank's channel and step
-        executor (nothing to run: pure control-plane cost at this TP size). Reports are checked
-        for the right step and rank and not applied to the core."""
-        from hisparse_ray.types import Rank, StepCommand
-
-        out = []
-        timeout = self.spec.step_timeout_s
-        with self._channel_lock:
-            for i in range(n):
-                cmds = [StepCommand(-1 - i, Rank(r), ()) for r in range(len(self._channels))]
-                t0 = time.perf_counter()
-                for ch, cmd in zip(self._channels, cmds):
-                    ch.send(cmd, timeout)
-                reports, _, _ = self._gather_reports(timeout)
-                out.append(time.perf_counter() - t0)
-                if [(r.step, r.rank) for r in reports] != [(c.step, c.rank) for c in cmds]:
-                    raise StateError(f"probe reports out of order: {reports}")
-        return out
+        executor (pure control-plane cost at this TP size; ``RankChannels.probe``)."""
+        if self.channels is None:
+            raise StateError("probe_control_plane() before start()")
+        return self.channels.probe(n, self.spec.step_timeout_s)
 
     # -- the step loop -----------------------------------------------------------------------------
     def _step_loop(self) -> None:
@@ -451,18 +407,7 @@ class Coordinator:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                with self._channel_lock:
-                    t0 = time.perf_counter()
-                    sent = []
-                    for ch, cmd in zip(self._channels, cmds):
-                        ch.send(cmd, timeout)
-                        sent.append(time.perf_counter())
-                    reports, found, decoded = self._gather_reports(timeout)
-                    dt = time.perf_counter() - t0
-                self.step_s.append(dt)
-                self.step_log.append((cmds[0].step, dt))
-                self.step_trace.append((cmds[0].step, t0, tuple(sent), tuple(found),
-                                        tuple(decoded)))
+                reports = self.channels.round_trip(cmds, timeout)
                 with self.cond:
                     for rep in reports:
                         self.core.apply_report(rep)

@@ -1,7 +1,8 @@
-"""DecodeWorker (ring 3): one TP rank of a decode replica. Owns its model shard, runtime and NIXL
-agent; rank 0 also creates the shared host pool and the landing staging pool. Executes the
-coordinator's StepCommands received over a shared-memory channel on a step thread. Plain class;
-made remote in :mod:`hisparse_ray.actors.launch`.
+"""DecodeWorker (ring 3): one TP rank of a decode replica. Owns its model shard, step executor
+(:mod:`hisparse_ray.rank.executor`) and NIXL agent; rank 0 also creates the shared host pool and
+the landing staging pool. Executes the coordinator's StepCommands received over a shared-memory
+channel on a step thread; its side of a landing is :class:`~hisparse_ray.rank.landing.RankLanding`.
+Plain class; made remote in :mod:`hisparse_ray.actors.launch`.
 """
 
 from __future__ import annotations
@@ -10,27 +11,28 @@ import collections
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
 
 from hisparse_ray.actors import tp
-from hisparse_ray.actors.landing import (
-    RankEndpoint, RankLandingStep, copy_runs, group_notif, layer_group, unpack, unstage_runs,
-)
-from hisparse_ray.actors.spec import ReplicaSpec
-from hisparse_ray.channel import ChannelPair, ChannelSpec
+from hisparse_ray.channel import stepcodec
+from hisparse_ray.channel.pair import ChannelPair
+from hisparse_ray.channel.ring import ChannelSpec
+from hisparse_ray.deploy import ReplicaSpec
 from hisparse_ray.errors import (
     ChannelClosedError, ChannelPeerLostError, ChannelTimeoutError, StateError,
-    TransferTimeoutError,
 )
-from hisparse_ray.hostpool import HostPool
-from hisparse_ray.transfer import NixlTransferEngine, TransferEngine, stepcodec
+from hisparse_ray.host.pool import HostPool
+from hisparse_ray.rank.landing import RankLanding
+from hisparse_ray.transfer import NixlTransferEngine, TransferEngine
+from hisparse_ray.types import RankEndpoint, RankLandingStep, unpack
+
+if TYPE_CHECKING:
+    from hisparse_ray.rank.executor import HiSparseWorker
 
 POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle
-CANCELLED_MEMORY = 4096  # failed landings remembered per rank (to stop their late calls)
-NOTIF_POLL_S = 1e-4  # landing notification polling (a 1 ms sleep added up to 1 ms per chunk)
 
 
 class DecodeWorker:
@@ -54,15 +56,11 @@ class DecodeWorker:
         self._engine = engine
         self.engine: TransferEngine | None = None  # this rank's NIXL agent, after build()
         self.pool: HostPool | None = None
-        self.executor: Any = None  # hisparse_ray.worker.HiSparseWorker, after build()
+        self.executor: HiSparseWorker | None = None  # this rank's step executor, after build()
         self.staging: list[torch.Tensor] = []
         self.key_staging: torch.Tensor | None = None  # [L, staging rows, key_row_bytes] uint8
-        # requests whose landing failed: their waits stop (ids are never reused by a coordinator);
-        # the most recent CANCELLED_MEMORY are kept (a landing's calls end within its deadline)
-        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.landing: RankLanding | None = None  # this rank's side of landings, after build()
         self._lock = threading.Lock()
-        self._notif_lock = threading.Lock()
-        self._notifs: set[bytes] = set()
         self._endpoint: RankEndpoint | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -72,11 +70,8 @@ class DecodeWorker:
         self.steps = 0
         self.step_s = 0.0
         self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, execute s)
-        # (step, found, decoded, executed, report sent): perf_counter() stamps, one clock per host
+        # (step, found, loaded, executed, report sent): perf_counter() stamps, one clock per host
         self.step_trace: collections.deque = collections.deque(maxlen=100_000)
-        # (request id, call started, first notification, staging copied, call done) per
-        # complete_landing: perf_counter() stamps (benchmarks)
-        self.landing_trace: collections.deque = collections.deque(maxlen=10_000)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def node_info(self) -> dict:
@@ -87,7 +82,7 @@ class DecodeWorker:
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "ip": tp.node_ip(), "gpu": str(gpu) if gpu is not None else None,
                 "tp_backend": dist.get_backend() if dist.is_initialized() else None,
-                # the step channel's C hot path (hisparse_ray._wire) is built and on here
+                # the step channel's C hot path (hisparse_ray.channel._wire) is built and on here
                 "native_wire": stepcodec.NATIVE is not None}
 
     def rendezvous(self) -> tp.Rendezvous:
@@ -121,7 +116,7 @@ class DecodeWorker:
 
     def build(self) -> RankEndpoint:
         """Model shard, runtime + step executor, NIXL regions; returns this rank's endpoint."""
-        from hisparse_ray.worker import HiSparseWorker
+        from hisparse_ray.rank.executor import HiSparseWorker
 
         if self.pool is None:
             raise StateError("build() before the host pool was created/attached")
@@ -157,6 +152,10 @@ class DecodeWorker:
                                            device=self.spec.device)
             keys = [self.engine.register(f"keys.{l}", self.key_staging[l])
                     for l in range(mcfg.num_hidden_layers)]
+        self.landing = RankLanding(
+            self.rank, spec.page_size, self.engine.take_notifications, self.executor, self._lock,
+            pool=self.pool if self.rank == 0 else None, staging=self.staging,
+            key_staging=self.key_staging)
         self._endpoint = RankEndpoint(
             self.rank, self.engine.name, self.engine.agent_metadata(),
             ray.get_runtime_context().get_node_id(), tuple(host), tuple(dev), tuple(staging),
@@ -182,107 +181,27 @@ class DecodeWorker:
         return True
 
     # -- landing ------------------------------------------------------------------------------------
-    def wait_notification(self, notif: bytes, timeout_s: float,
-                          request_id: str | None = None) -> None:
-        """Block until the landing WRITE tagged ``notif`` was announced to this rank's agent
-        (``TransferTimeoutError`` after ``timeout_s``; ``StateError`` as soon as ``request_id``'s
-        landing was dropped). Notifications that other landings wait for are kept; a duplicate
-        (a retried WRITE) is harmless: tags are unique per request."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._notif_lock:
-                self._notifs.update(msg for _, msg in self.engine.take_notifications())
-                if notif in self._notifs:
-                    self._notifs.discard(notif)
-                    return
-                if request_id is not None and request_id in self._cancelled:
-                    raise StateError(f"landing of {request_id!r} was dropped on rank {self.rank}")
-            if time.monotonic() >= deadline:
-                raise TransferTimeoutError(f"no landing notification {notif!r} on rank "
-                                           f"{self.rank} after {timeout_s} s")
-            time.sleep(NOTIF_POLL_S)
-
-    def unstage_run(self, first_staging_block: int, host_blocks: list[int], pages: list[int],
-                    num_positions: int, layers: list[int] | None = None) -> float:
-        """Rank 0: copy a chunk landed in the contiguous staging run starting at
-        ``first_staging_block`` (page ``pages[i]`` in staging block ``first_staging_block + i``)
-        into ``host_blocks[i]``, one copy (or one gather/scatter) per layer of ``layers`` (None:
-        all); returns its seconds."""
-        runs = unstage_runs(first_staging_block, host_blocks, pages, self.spec.page_size,
-                            num_positions)
-        layers = range(len(self.staging)) if layers is None else layers
-        t0 = time.perf_counter()
-        with self._lock:
-            self.pool.begin_write()
-            try:
-                copy_runs([self.staging[l] for l in layers],
-                          [self.pool.layer(l) for l in layers], runs)
-            finally:
-                self.pool.publish()
-        return time.perf_counter() - t0
-
     def complete_landing(self, step: RankLandingStep | bytes, index_keys: Any = None) -> float:
-        """The decode side of one landing chunk in ONE Ray call (see :class:`RankLandingStep`):
+        """This rank's part of one landing chunk in ONE Ray call (``RankLanding.complete``):
         notification wait, staging -> host copy, key copy, and on the last chunk the key cache's
         length. ``index_keys``: the whole prompt's keys as numpy ``[L, T, d]`` (the fallback for a
-        replica without key staging; they travel through Ray's object store). Calls of different
-        chunks may run at once (the lander pipelines chunks); each copy runs under the executor
-        lock, so never inside a decode step. Returns the seconds of the staging -> host copy
-        (0.0 without one). ``step`` may come as :func:`~hisparse_ray.actors.landing.pack`'s bytes."""
-        t_enter = time.perf_counter()
-        step = unpack(step)
-        rid = step.request_id
-        G = max(1, step.layer_groups)
-        L = len(self.staging)
-        seconds = 0.0
-        t_notified = t_enter
-        for g in range(G):  # group g is copied to host while later groups are still written
-            if step.notif is not None:
-                self.wait_notification(group_notif(step.notif, g, G), step.timeout_s, rid)
-                if g == 0:
-                    t_notified = time.perf_counter()
-            if step.unstage is not None:
-                first, host_blocks, pages = step.unstage
-                seconds += self.unstage_run(first, list(host_blocks), list(pages),
-                                            step.num_positions,
-                                            [l for l in range(L) if layer_group(l, L, G) == g])
-        t_copied = time.perf_counter()
-        keys = None if index_keys is None else torch.from_numpy(index_keys.copy())
-        with self._lock:
-            if rid in self._cancelled:
-                raise StateError(f"landing of {rid!r} was dropped on rank {self.rank}")
-            if step.host_written and self.rank == 0:
-                self.pool.begin_write()
-                self.pool.publish()
-            index = self.executor.index
-            if rid not in index or keys is not None:
-                self.executor.install_index_keys(rid, keys, step.capacity)
-            if step.keys is not None:
-                lo, row, n = step.keys
-                cache = index[rid]
-                cache.keys[:, lo:lo + n] = self.key_staging[:, row:row + n].view(
-                    cache.keys.dtype).view(cache.keys.shape[0], n, cache.keys.shape[2])
-                if self.key_staging.is_cuda:  # the lander re-leases the rows next
-                    torch.cuda.current_stream().synchronize()
-            if step.last:
-                index[rid].length = step.num_positions
-        self.landing_trace.append((rid, t_enter, t_notified, t_copied, time.perf_counter()))
-        return seconds
+        replica without key staging; they travel through Ray's object store). Returns the seconds
+        of the staging -> host copy. ``step`` may come as :func:`~hisparse_ray.types.pack`'s
+        bytes."""
+        if self.landing is None:
+            raise StateError("complete_landing() before build()")
+        return self.landing.complete(unpack(step), index_keys)
 
     def get_landing_trace(self) -> list[tuple[str, float, float, float, float]]:
         """(request id, call started, first notification, staging copied, call done)
         ``perf_counter`` stamps of the recent ``complete_landing`` calls (benchmarks)."""
-        return list(self.landing_trace)
+        return list(self.landing.trace) if self.landing is not None else []
 
     def drop_landing(self, request_id: str) -> None:
         """Forget a landing that failed (its keys may have reached some ranks): running and later
         ``complete_landing`` calls of it fail fast instead of waiting for their notifications."""
-        with self._notif_lock:
-            self._cancelled[request_id] = None
-            while len(self._cancelled) > CANCELLED_MEMORY:
-                self._cancelled.popitem(last=False)
-        with self._lock:
-            self.executor.index.pop(request_id, None)
+        if self.landing is not None:
+            self.landing.drop(request_id)
 
     # -- step loop ----------------------------------------------------------------------------------
     def attach_channel(self, spec: tuple[ChannelSpec, ChannelSpec]) -> None:
@@ -323,7 +242,7 @@ class DecodeWorker:
         return list(self.step_log)
 
     def get_step_trace(self) -> list[tuple[int, float, float, float, float]]:
-        """(step, command found, decoded, executed, report sent) ``perf_counter`` stamps of the
+        """(step, command found, loaded, executed, report sent) ``perf_counter`` stamps of the
         recent steps: the same clock as the coordinator's trace on this host (benchmarks)."""
         return list(self.step_trace)
 

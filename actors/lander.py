@@ -1,6 +1,9 @@
 """The lander (ring 3): one thread per prefill worker inside the coordinator actor that takes
 admitted requests in FIFO order through prefill -> NIXL WRITE (direct or via the staging pool) ->
-notification on the decode ranks -> index keys installed -> ``apply_landed``.
+notification on the decode ranks -> index keys installed -> ``LandingSink.landed``. It sees its
+replica only through a :class:`~hisparse_ray.landing.context.LandingContext` and reports to a
+:class:`~hisparse_ray.landing.context.LandingSink` (the coordinator actor); the plan of every
+chunk is :mod:`hisparse_ray.landing.plan`'s, the ranks' side :mod:`hisparse_ray.rank.landing`.
 
 A landing is a sequence of chunks of the request's pages (one chunk when the staging pool holds the
 whole prompt, else chunks of half the pool). Per chunk the lander leases a contiguous staging run,
@@ -15,13 +18,13 @@ The indexer keys travel by NIXL into the ranks' key staging rows (indexed like t
 blocks, so the same lease covers them); a replica without a staging pool falls back to shipping
 them through Ray's object store.
 
-Never deadlocks (``landing.lease_run``): while a lander holds a chunk in flight it only TRIES to
+Never deadlocks (``landing.staging.lease_run``): while a lander holds a chunk in flight it only TRIES to
 lease the next run and finishes its oldest chunk when that fails; it blocks on the pool only with
 nothing in flight.
 
 Any failure (``TransferError`` / ``TransferTimeoutError`` after the prefill worker's retries, a
 missing notification, a dead prefill worker) ends the request with that typed error and releases
-every lease it held (the coordinator calls the core's ``apply_landing_failed``); in-flight chunk
+every lease it held (the sink calls the core's ``apply_landing_failed``); in-flight chunk
 calls are cancelled on the ranks (``drop_landing``) and awaited before their staging runs return
 to the pool.
 
@@ -31,7 +34,7 @@ running (every rank ended its calls), the lander RETIRES that worker: kill it, w
 reports it dead (a dead process posts no more WRITEs), remove it as a NIXL peer on every rank
 (closing the connection drops bytes still in flight), then release the request's memory and fail
 it; the replica keeps serving through its other prefill workers. A rank call still running, or
-a worker whose death cannot be confirmed, fences the whole replica (``Coordinator.fence``). A
+a worker whose death cannot be confirmed, fences the whole replica (``LandingSink.fence``). A
 prefill worker that died (a landing failed with ``ActorDiedError`` and Ray reports it dead) is
 retired the same way: its request fails, the requests behind it go to live workers.
 """
@@ -42,15 +45,15 @@ import collections
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 
-from hisparse_ray.actors.landing import (
-    LandingOrder, StagingPool, chunk_pages, lease_run, pack, page_positions, plan_chunk,
-)
 from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutError
-from hisparse_ray.types import Admission, LandingTarget
+from hisparse_ray.landing.context import LandingContext, LandingSink
+from hisparse_ray.landing.plan import chunk_pages, page_positions, plan_chunk
+from hisparse_ray.landing.staging import StagingPool, lease_run
+from hisparse_ray.types import Admission, LandingOrder, LandingTarget, pack
 
 PREFILL_TIMEOUT_S = 600.0  # one prompt through the prefill model
 CALL_TIMEOUT_S = 120.0  # cleanup calls of a failed landing
@@ -58,7 +61,10 @@ IN_FLIGHT = 2  # landing chunks in flight per lander (write chunk i+1 while chun
 PEER_DEATH_TIMEOUT_S = 30.0  # a killed, stalled prefill worker must be reported dead within this
 
 if TYPE_CHECKING:
-    from hisparse_ray.actors.coordinator import Coordinator
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from hisparse_ray.actors.prefill_worker import PrefillWorker
 
 
 class Lander:
@@ -69,10 +75,11 @@ class Lander:
     Resident landings always WRITE every rank's device pool.
     """
 
-    def __init__(self, coord: "Coordinator", prefill: Any, agent: str, *, direct: bool) -> None:
-        self.coord, self.prefill, self.agent = coord, prefill, agent
+    def __init__(self, ctx: LandingContext, sink: LandingSink,
+                 prefill: ActorHandle[PrefillWorker], agent: str, *, direct: bool) -> None:
+        self.ctx, self.sink, self.prefill, self.agent = ctx, sink, prefill, agent
         self.path = "direct" if direct else "staged"
-        self.staging: StagingPool | None = coord.staging  # one per replica, shared by landers
+        self.staging: StagingPool | None = ctx.staging  # one per replica, shared by landers
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"lander-{agent}", daemon=True)
         self._stop = threading.Event()
@@ -92,40 +99,42 @@ class Lander:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
-    def enqueue(self, adm: Admission, prompt: list[int]) -> None:
-        self._queue.put((adm, prompt))
+    def enqueue(self, adm: Admission, prompt: list[int], max_new_tokens: int) -> None:
+        """Land ``adm`` after the ones queued before it; its key caches get room for the prompt
+        and ``max_new_tokens``."""
+        self._queue.put((adm, prompt, max_new_tokens))
 
     def _run(self) -> None:
         while not self._stop.is_set():
             item = self._queue.get()
             if item is None:
                 return
-            adm, prompt = item
+            adm, prompt, max_new_tokens = item
             rid = adm.request_id
             if self.retired is not None:  # queued before the retirement: another lander lands it
-                self.coord.reroute(adm)
+                self.sink.reroute(adm)
                 continue
-            if self.coord.abort_requested(rid):  # aborted while queued: release, land nothing
-                self.coord.landing_failed(rid, None)
+            if self.sink.abort_requested(rid):  # aborted while queued: release, land nothing
+                self.sink.landing_failed(rid, None)
                 continue
             try:
-                nbytes, seconds, data_s, path = self.land(adm, prompt)
+                nbytes, seconds, data_s, path = self.land(adm, prompt, max_new_tokens)
             except Exception as err:  # any failure ends this request, never the lander
                 self._cleanup(rid)
                 if isinstance(err, ray.exceptions.ActorDiedError) and self._prefill_died():
                     # a crashed worker: route its queue and later requests to live workers
                     self._disconnect(TransferError(
                         f"prefill worker {self.agent} died: {err!r}", rid))
-                self.coord.landing_failed(rid, _typed(err, rid))
+                self.sink.landing_failed(rid, _typed(err, rid))
                 continue
-            self.coord.landed(rid, nbytes, seconds, data_s, path)
+            self.sink.landed(rid, nbytes, seconds, data_s, path)
             # after the request is ready to decode (a submission costs ~0.2 ms); no need to
             # wait for it: a later prefill replaces the held buffers anyway
             self.prefill.drop.remote(rid)
 
     def _cleanup(self, rid: str) -> None:
         try:
-            ray.get([r.drop_landing.remote(rid) for r in self.coord.ranks], timeout=30)
+            ray.get([r.drop_landing.remote(rid) for r in self.ctx.ranks], timeout=30)
         except Exception:
             pass
         try:
@@ -134,19 +143,20 @@ class Lander:
             pass
 
     # -- one request -------------------------------------------------------------------------------
-    def land(self, adm: Admission, prompt: list[int]) -> tuple[int, float, float, str]:
+    def land(self, adm: Admission, prompt: list[int], max_new_tokens: int
+             ) -> tuple[int, float, float, str]:
         """Prefill, push and install one admission; returns (bytes moved, seconds end to end
         after prefill, seconds of data movement (sum over chunks of the NIXL WRITEs and the
         staging copies; chunks overlap, so this may exceed the end-to-end time), path)."""
-        spec, eps = self.coord.spec, self.coord.endpoints
+        spec = self.ctx.spec
         rid, P, T = adm.request_id, spec.page_size, adm.num_positions
         host = adm.target is LandingTarget.HOST
         path = "resident" if not host else self.path
         block = {p.page: (p.host_block if host else p.device_block)
                  for p in adm.pages if not p.reused and page_positions(p.page, P, T)[1] > 0}
-        keys_nixl = bool(eps[0].key_layers) and self.staging is not None
+        keys_nixl = self.ctx.keys_by_write
         staged = path == "staged" or keys_nixl  # chunks lease staging runs
-        capacity = len(prompt) + self.coord.records[rid].max_new_tokens + 1
+        capacity = len(prompt) + max_new_tokens + 1
         pages = list(range(-(-T // P))) if keys_nixl else sorted(block)
         parts = chunk_pages(pages, self.staging.capacity, IN_FLIGHT) if staged \
             else [tuple(pages)]
@@ -233,14 +243,14 @@ class Lander:
         one ``complete_landing`` per rank, all at once. Returns [push ref or None, rank refs].
         ``prefill_tokens``: the push is ``prefill_and_push`` of these tokens (the ranks' waits
         then also cover the prefill)."""
-        spec, ranks = self.coord.spec, self.coord.ranks
+        spec, ranks = self.ctx.spec, self.ctx.ranks
         rid, P = adm.request_id, spec.page_size
         wait_s = spec.landing_timeout_s * spec.landing_attempts
         if prefill_tokens is not None:
             wait_s += PREFILL_TIMEOUT_S
         dests, steps = plan_chunk(
             rid, adm.num_positions, P, path, block, part, blocks, i, last, capacity,
-            self.coord.endpoints, timeout_s=wait_s, layer_groups=spec.landing_layer_groups)
+            self.ctx.endpoints, timeout_s=wait_s, layer_groups=spec.landing_layer_groups)
         refs: list = [None]
         if dests:
             order = LandingOrder(rid, tuple(dests), attempts=spec.landing_attempts,
@@ -267,11 +277,11 @@ class Lander:
         copy). Calls still running past every deadline (``landing_attempts x landing_timeout_s +
         landing_call_timeout_s``: a stalled rank or prefill process) may still let a cancelled
         WRITE's bytes land later, anywhere in the blocks the request held: the lander then FENCES
-        the replica (``Coordinator.fence``: it stops stepping and admitting, every waiter gets a
+        the replica (``LandingSink.fence``: it stops stepping and admitting, every waiter gets a
         typed error) and keeps the staging run leased, instead of reusing memory that may still
         be written. ``extra_s``: added to the deadline (a push that first prefills)."""
         rid, refs, blocks = item
-        spec = self.coord.spec
+        spec = self.ctx.spec
         live = [r for r in refs if r is not None]
         deadline = spec.landing_attempts * spec.landing_timeout_s + spec.landing_call_timeout_s \
             + extra_s
@@ -295,7 +305,7 @@ class Lander:
                 f"{len(pending)} call(s) of a landing still running {deadline:.3g} s after their "
                 f"deadline (a stalled rank or prefill worker): blocks it wrote may still change, "
                 f"so replica {spec.replica_id!r} stops", rid)
-            self.coord.fence(err)
+            self.sink.fence(err)
             raise err
         if blocks:
             self.staging.release(blocks)
@@ -308,7 +318,7 @@ class Lander:
         self._data_s += sum(out)
         return pushed
 
-    def _retire(self, push_ref: Any, rid: str) -> bool:
+    def _retire(self, push_ref: ObjectRef, rid: str) -> bool:
         """Kill this lander's prefill worker, whose push of ``rid`` outlived every deadline while
         every rank's call ended; True once Ray reported it dead and every rank dropped it as a
         NIXL peer (the lander then lands nothing more). False when its death is not confirmed
@@ -342,7 +352,7 @@ class Lander:
         rank: it lands nothing more and hands its queue to live landers. False (not retired)
         when a rank cannot drop the peer: that rank might still take the peer's bytes."""
         try:
-            ray.get([r.remove_peer.remote(self.agent) for r in self.coord.ranks],
+            ray.get([r.remove_peer.remote(self.agent) for r in self.ctx.ranks],
                     timeout=CALL_TIMEOUT_S)
         except Exception:
             return False
@@ -351,7 +361,7 @@ class Lander:
 
     def _cancel(self, rid: str) -> None:
         """Stop the ranks' waits for ``rid``'s notifications (fire and forget)."""
-        for rank in self.coord.ranks:
+        for rank in self.ctx.ranks:
             rank.drop_landing.remote(rid)
 
     def _abandon(self, rid: str, inflight: collections.deque) -> None:

@@ -1,9 +1,9 @@
 """The one place that makes actor classes remote (ring 3): every resource, placement and concurrency
 option of the actor system lives here, and the start-up order of a deployment.
 
-A decode replica (one Coordinator + ``tp_size`` DecodeWorker ranks) is placed with a STRICT_PACK
-placement group so its processes share ``/dev/shm`` (host pool, step channels) and CUDA IPC; prefill
-workers may sit on any node. Start-up of a replica, in order:
+A decode replica (one ReplicaCoordinator + ``tp_size`` DecodeWorker ranks) is placed with a
+STRICT_PACK placement group so its processes share ``/dev/shm`` (host pool, step channels) and
+CUDA IPC; prefill workers may sit on any node. Start-up of a replica, in order:
 
 1. placement group ready; ranks created (bundle i+1 = rank i; bundle 0 = the coordinator);
 2. rank 0 picks the TP rendezvous (its node IP + a free port), every rank joins the group;
@@ -17,18 +17,24 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
 )
 
-from hisparse_ray.actors.spec import PrefillSpec, ReplicaSpec
+from hisparse_ray.deploy import PrefillSpec, ReplicaSpec
 
-# Coordinator: method calls (submit, wait, metrics) run on a thread pool beside its step thread.
+if TYPE_CHECKING:
+    from hisparse_ray.actors.coordinator import ReplicaCoordinator
+    from hisparse_ray.actors.decode_worker import DecodeWorker
+    from hisparse_ray.actors.prefill_worker import PrefillWorker
+
+# ReplicaCoordinator: method calls (submit, wait, metrics) run on a thread pool beside its step thread.
 COORDINATOR_CPUS = 0.25
 COORDINATOR_CONCURRENCY = 8
 # DecodeWorker: lifecycle and landing calls beside the rank's step thread (each lander keeps up to
@@ -109,9 +115,9 @@ class Replica:
 
     spec: ReplicaSpec
     pg: PlacementGroup
-    coordinator: Any
-    ranks: list[Any]
-    prefill: list[Any] = field(default_factory=list)
+    coordinator: ActorHandle[ReplicaCoordinator]
+    ranks: list[ActorHandle[DecodeWorker]]
+    prefill: list[ActorHandle[PrefillWorker]] = field(default_factory=list)
 
     def shutdown(self) -> None:
         """Stop the step loop, release pools and agents, kill the actors, free the placement."""
@@ -132,7 +138,8 @@ class Replica:
         remove_placement_group(self.pg)
 
 
-def start_ranks(spec: ReplicaSpec, pg: PlacementGroup | None, *, build: bool = True) -> list[Any]:
+def start_ranks(spec: ReplicaSpec, pg: PlacementGroup | None, *, build: bool = True
+                ) -> list[ActorHandle[DecodeWorker]]:
     """Steps 1-4: create the ranks, form the TP group, share the host pool, build every rank
     (``build=False`` stops after the host pool). Returns the rank handles (each rank's
     ``endpoint()`` describes it once built)."""
@@ -154,7 +161,7 @@ def start_ranks(spec: ReplicaSpec, pg: PlacementGroup | None, *, build: bool = T
     return ranks
 
 
-def _kill(actors: list[Any]) -> None:
+def _kill(actors: list[ActorHandle]) -> None:
     """Best-effort teardown of half-started actors (shutdown releases pools and segments)."""
     try:
         ray.get([a.shutdown.remote() for a in actors], timeout=30)
@@ -166,7 +173,7 @@ def _kill(actors: list[Any]) -> None:
 
 def launch_replica(spec: ReplicaSpec, resources: dict[str, float] | None = None) -> Replica:
     """Start one decode replica (steps 1-5). ``resources`` pins it to nodes offering them."""
-    from hisparse_ray.actors.coordinator import Coordinator
+    from hisparse_ray.actors.coordinator import ReplicaCoordinator
 
     pg = replica_placement_group(spec, resources)
     try:
@@ -175,7 +182,7 @@ def launch_replica(spec: ReplicaSpec, resources: dict[str, float] | None = None)
         remove_placement_group(pg)
         raise
     try:
-        coord = _remote(Coordinator, **coordinator_options(spec, pg)).remote(spec, ranks)
+        coord = _remote(ReplicaCoordinator, **coordinator_options(spec, pg)).remote(spec, ranks)
         ray.get(coord.start.remote())
     except BaseException:
         _kill(ranks)
@@ -185,7 +192,7 @@ def launch_replica(spec: ReplicaSpec, resources: dict[str, float] | None = None)
 
 
 def launch_prefill(spec: PrefillSpec, node_id: str | None = None,
-                   resources: dict[str, float] | None = None) -> Any:
+                   resources: dict[str, float] | None = None) -> ActorHandle[PrefillWorker]:
     """Start one prefill worker (anywhere, or on ``node_id`` / nodes offering ``resources``)."""
     from hisparse_ray.actors.prefill_worker import PrefillWorker
 
@@ -194,7 +201,8 @@ def launch_prefill(spec: PrefillSpec, node_id: str | None = None,
     return handle
 
 
-def connect(replica: Replica, prefill: Any, host_landing: str = "auto") -> str:
+def connect(replica: Replica, prefill: ActorHandle[PrefillWorker], host_landing: str = "auto"
+            ) -> str:
     """Step 6: exchange NIXL agent metadata between a prefill worker and the replica's ranks
     (through the coordinator) and let the coordinator route admissions to it. Returns the host
     landing path for this peer ("direct" or "staged"; ``host_landing`` "auto" asks the transport)."""

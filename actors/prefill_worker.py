@@ -11,15 +11,15 @@ import time
 
 import torch
 
-from hisparse_ray.actors.landing import (
-    LandingOrder, PrefillResult, group_notif, split_by_memory_kind, unpack, write_groups,
-)
-from hisparse_ray.actors.spec import PrefillSpec
+from hisparse_ray.deploy import PrefillSpec
 from hisparse_ray.errors import CapacityError, StateError
+from hisparse_ray.landing.plan import group_notif
+from hisparse_ray.landing.segments import split_by_memory_kind, write_groups
 from hisparse_ray.transfer import (
     MemKind, NixlTransferEngine, PreparedWrite, TransferEngine, WriteSegment, discard_prepared,
     prepare_writes, write_all_with_retry,
 )
+from hisparse_ray.types import LandingOrder, PrefillResult, unpack
 
 SEND_REGION = "send"
 KEYS_REGION = "send.keys"
@@ -106,7 +106,7 @@ class PrefillWorker:
                     keys = self._synthetic(T, tokens)
                 else:
                     ids = torch.tensor(tokens, dtype=torch.int64, device=self.spec.device)
-                    _, rows, keys = self.model.prefill(ids)
+                    _, rows, keys = self.model.prefill(ids, batch_invariant=self.spec.batch_invariant)
                     self.send[:, :T] = rows.contiguous().view(torch.uint8).reshape(
                         self.num_layers, T, self.row_bytes)
                     self.send_keys[:, :T] = keys.contiguous().view(torch.uint8).reshape(
@@ -166,7 +166,7 @@ class PrefillWorker:
         returns (bytes moved, seconds from the first post to the last DONE). Pushes of one
         request may run in any order; ``drop`` frees the send buffers.
         TransferError / TransferTimeoutError after the last attempt, tagged with the request id.
-        ``order`` may come as :func:`~hisparse_ray.actors.landing.pack`'s bytes."""
+        ``order`` may come as :func:`~hisparse_ray.types.pack`'s bytes."""
         return self._push(unpack(order), page_size, None)
 
     def _plan(self, order: LandingOrder, page_size: int, T: int

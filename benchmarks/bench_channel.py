@@ -1,4 +1,4 @@
-"""Per-step control-plane overhead, old vs new, in the same run: the previous channel (WireCodec,
+"""Per-step control-plane overhead, old vs new, in the same run: a baseline channel (plain pickle,
 sleeping waits) against the current one (StepCodec, futex wake-ups), for realistic decode steps
 (batch rows with hot-buffer block lists, a few table diffs/transfers, one backup per row; the
 rank's StepReport with acks, sampled tokens and hits_by_request). Target: <= 100 us at TP 2.
@@ -13,6 +13,8 @@ millisecond-scale exec shows the wake-up cost of a waiter that went to sleep.
 One command:  python benchmarks/bench_channel.py          (--smoke: a quick CPU check)
 Prints two tables and writes JSON (default benchmarks/results/channel.json). ``--configs old codec
 new`` adds the new codec with the old sleeping waits (splits the gain between codec and futex).
+The runs recorded in BENCHMARKS.md before 2026-12 used the flattening ``WireCodec`` (since
+removed) as "old"; plain pickle is slower than it was.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import statistics
 import sys
 import time
 
-from hisparse_ray.channel import ChannelPair, WaitPolicy, futex_available
-from hisparse_ray.transfer.codec import WireCodec
-from hisparse_ray.transfer.stepcodec import _MEMO, StepCodec
+from hisparse_ray.channel.codec import PickleCodec
+from hisparse_ray.channel.pair import ChannelPair
+from hisparse_ray.channel.ring import WaitPolicy, futex_available
+from hisparse_ray.channel.stepcodec import _MEMO, StepCodec
 from hisparse_ray.types import (
     Backup,
     BatchRow,
@@ -44,11 +47,11 @@ from hisparse_ray.types import (
     TransferKind,
 )
 
-# name -> (codec factory, wait policy): "old" is the channel before StepCodec and futex waits,
+# name -> (codec factory, wait policy): "old" is a channel without StepCodec and futex waits,
 # "codec" the new codec with the old sleeping waits (--configs old codec new: attribution),
 # "yield" the new channel whose waiters yield instead of blocking for up to 20 ms
 ALL_CONFIGS = {
-    "old": (WireCodec, WaitPolicy(futex=False)),
+    "old": (PickleCodec, WaitPolicy(futex=False)),
     "codec": (StepCodec, WaitPolicy(futex=False)),
     "new": (StepCodec, WaitPolicy()),
     # the new channel with waiters that keep yielding (not blocking) for 20 ms: a core each

@@ -34,7 +34,7 @@ import torch
 
 from hisparse_ray.actors import launch
 from hisparse_ray.actors.prefill_worker import PrefillWorker
-from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
+from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
 from hisparse_ray.types import BatchRow, RequestId, StepCommand, TableDiff
 
 
@@ -235,8 +235,8 @@ def main() -> int:
                          "landings push in the prefill call (e2e then counts from the worker's "
                          "prefill end); auto only while the staging pool keeps room for another")
     ap.add_argument("--wire", choices=["native", "python"], default="native",
-                    help="the step channel's codec and ring: the C hot path (hisparse_ray._wire, "
-                         "where built) or its pure-Python twin (HISPARSE_NATIVE_WIRE=0)")
+                    help="the step channel's codec and ring: the C hot path "
+                         "(hisparse_ray.channel._wire, where built) or its pure-Python twin (HISPARSE_NATIVE_WIRE=0)")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -263,7 +263,7 @@ def main() -> int:
                            landing_push_with_prefill=args.push_with_prefill)
         pspecs = [PrefillSpec(model=model, max_prompt_tokens=max(max_tokens, 256),
                               gpus=0.1 if gpu else 0.0, name=name,
-                              synthetic_kv=args.synthetic_prefill)
+                              synthetic_kv=args.synthetic_prefill, batch_invariant=False)
                   for name in ("direct", "staged")]
         workers = [launch._remote(PrefillWorker, **launch.prefill_options(p)).remote(p)
                    for p in pspecs]

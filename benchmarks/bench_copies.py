@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from hisparse_ray import copies
 from hisparse_ray.config import KVLayout
-from hisparse_ray.hostpool import HostPool
+from hisparse_ray.host import copies
+from hisparse_ray.host.pool import HostPool
 
 
 def _timer(device: str, stream):

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hisparse_ray.config import KVLayout
-from hisparse_ray.hostpool import HostPool
+from hisparse_ray.host.pool import HostPool
 
 
 def _time(fn, repeats: int) -> float:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hisparse_ray.runtime import HiSparseRuntime, hot_counts_reference
+from hisparse_ray.rank.runtime import HiSparseRuntime, hot_counts_reference
 
 
 def case(B: int, K: int, H: int, anchors: int, device: str, seed: int = 0) -> SimpleNamespace:

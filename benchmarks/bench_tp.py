@@ -34,7 +34,7 @@ import ray
 import torch
 
 from hisparse_ray.actors import launch
-from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
+from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
 
 def profile_summary(path: str, top: int = 10) -> list[tuple[float, str]]:
     """Where a rank's step thread spends its samples (``py-spy --format raw``): the ``top``
@@ -85,7 +85,8 @@ def run_layout(name: str, model: ModelSpec, args, gpu: bool, requests) -> dict:
         infos = ray.get([r.node_info.remote() for r in rep.ranks])
         segs = shm_segments(rid)
         pf = launch.launch_prefill(PrefillSpec(model=model, gpus=0.2 if gpu else 0.0,
-                                               max_prompt_tokens=args.context + 8, name=rid))
+                                               max_prompt_tokens=args.context + 8, name=rid,
+                                               batch_invariant=False))
         path = launch.connect(rep, pf, "staged" if gpu else "auto")
         up = time.perf_counter() - t0
         print(f"  {name}: up in {up:.1f} s, ranks on "

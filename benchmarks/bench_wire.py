@@ -1,5 +1,5 @@
-"""The step channel's four control-plane stages, C hot path (``hisparse_ray._wire``) against the
-pure-Python twin, warm and on evicted caches, in one process.
+"""The step channel's four control-plane stages, C hot path (``hisparse_ray.channel._wire``)
+against the pure-Python twin, warm and on evicted caches, in one process.
 
 A real decode step runs each stage right after code that evicts the caches (the model's forward on
 the ranks, the scheduler on the coordinator); on the H200 that made the Python stages 3-5x slower
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from hisparse_ray.channel import ShmChannel
-from hisparse_ray.transfer.stepcodec import NATIVE, StepCodec
+from hisparse_ray.channel.ring import ShmChannel
+from hisparse_ray.channel.stepcodec import NATIVE, StepCodec
 from hisparse_ray.types import Backup, BatchRow, Rank, RequestId, StepCommand, StepReport
 
 STAGES = ("command send", "command recv", "report send", "report recv")
@@ -97,7 +97,7 @@ def main() -> int:
     for k, v in rows.items():
         print(f"{k:<14}" + "".join(f"{v[s]:>14.1f}" for s in STAGES) + f"{sum(v.values()):>10.1f}")
     if NATIVE is None:
-        print("hisparse_ray._wire is not built: Python only")
+        print("hisparse_ray.channel._wire is not built: Python only")
     else:
         for c in ("warm", "cold"):
             print(f"C / Python, {c}: {sum(rows[f'native {c}'].values()) / sum(rows[f'python {c}'].values()):.2f}x")

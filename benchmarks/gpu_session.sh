@@ -59,7 +59,7 @@ case "${1:-run}" in
       two-gpu)  # ~6 min: every two_gpus test and its one-GPU twin, then the demo across 2 GPUs
         nvidia-smi topo -m | head -4
         timeout 520 python3 -m pytest -q -s -p no:cacheprovider -m "gpu or two_gpus" \
-          tests/hostpool/test_ray.py "tests/e2e/test_gpu.py::test_tp2_landings_spills_restores_backups_match_full_resident" \
+          tests/host/test_ray.py "tests/e2e/test_gpu.py::test_tp2_landings_spills_restores_backups_match_full_resident" \
           "tests/e2e/test_gpu.py::test_demo_tp2[gpu-each]" 2>&1 | tee "$OUT/two_gpu_tests.log" \
           | grep -E "passed|failed|PASSED|FAILED|Error|error|ranks on|^tp2" | tail -30
         exit 0 ;;
@@ -75,7 +75,7 @@ case "${1:-run}" in
         exit 0 ;;
       check)  # ~4 min: the actor-system gpu tests, the step codec's C tests, the control plane
         timeout 200 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu.py \
-          tests/transfer/test_native_wire.py tests/transfer/test_stepcodec.py 2>&1 \
+          tests/channel/test_native_wire.py tests/channel/test_stepcodec.py 2>&1 \
           | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
         timeout 100 python3 benchmarks/bench_control_plane.py --only control --probes 500 \
           --out "$OUT/control_plane_check.json" > "$OUT/control_plane_check.log" 2>&1
@@ -116,9 +116,9 @@ case "${1:-run}" in
         exit 0 ;;
       wire)  # ~5 min: the C hot path built here?, its tests, bench_wire, control plane Python vs C
         gcc --version | head -1; python3 -c "import sysconfig, os; h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); print('Python.h', os.path.exists(h))"
-        python3 -c "from hisparse_ray.transfer.stepcodec import NATIVE; print('native wire:', NATIVE)"
-        timeout 90 python3 -m pytest -q -p no:cacheprovider tests/transfer/test_native_wire.py \
-          tests/transfer/test_stepcodec.py tests/transfer/test_channel.py 2>&1 | tail -2
+        python3 -c "from hisparse_ray.channel.stepcodec import NATIVE; print('native wire:', NATIVE)"
+        timeout 90 python3 -m pytest -q -p no:cacheprovider tests/channel/test_native_wire.py \
+          tests/channel/test_stepcodec.py tests/channel/test_channel.py 2>&1 | tail -2
         timeout 60 python3 benchmarks/bench_wire.py --out "$OUT/wire.json" 2>&1 | tail -9
         for w in python native; do
           timeout 150 python3 benchmarks/bench_control_plane.py --only control --probes 1000 \

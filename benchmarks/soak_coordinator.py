@@ -16,7 +16,7 @@ import sys
 import time
 
 from hisparse_ray.core import CoordinatorConfig
-from hisparse_ray.core.random_driver import RandomDriver
+from hisparse_ray.testing.random_driver import RandomDriver
 
 CONFIGS = [  # (device blocks, host blocks, page size, H, tp, max batch)
     (6, 10, 2, 2, 1, 3),

@@ -11,8 +11,8 @@ import random
 import ray
 
 from hisparse_ray.actors import launch
-from hisparse_ray.actors.reference import full_resident_tokens
-from hisparse_ray.actors.spec import PrefillSpec, ReplicaSpec
+from hisparse_ray.deploy import PrefillSpec, ReplicaSpec
+from hisparse_ray.testing.full_resident import full_resident_tokens
 
 
 def main(max_new_tokens: int = 8) -> None:

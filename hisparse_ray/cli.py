@@ -16,18 +16,17 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
+from dataclasses import MISSING, fields
 
-from hisparse_ray.config import HiSparseConfig, KVLayout
+from hisparse_ray.config import KVLayout
+from hisparse_ray.deploy import GROUPS, DeployOptions, load_config, visible_gpus
 
-DEMO_CONFIG = {"top_k": 8, "device_buffer_size": 16, "host_to_device_ratio": 4,
-               "swap_in_block_size": 64, "host_pool_gib": 0.01}
+CLI_GROUPS = {"demo": GROUPS[:4], "generate": GROUPS[:4], "serve": GROUPS}
 
 
-# --- tokenizer ------------------------------------------------------------------------------------
 def __getattr__(name: str):
-    """``cli.ByteTokenizer``: the tiny models' tokenizer lives in :mod:`hisparse_ray.model.tokenizer`
-    (imported on use: that package loads torch, which ``hisparse-ray --help`` need not wait for)."""
+    """``cli.ByteTokenizer``: lives in :mod:`hisparse_ray.model.tokenizer` (imported on use: that
+    package loads torch, which ``hisparse-ray --help`` need not wait for)."""
     if name == "ByteTokenizer":
         from hisparse_ray.model.tokenizer import ByteTokenizer
 
@@ -35,68 +34,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# --- shared plumbing ------------------------------------------------------------------------------
-def load_config(value: str | None) -> HiSparseConfig:
-    """``--config``: a JSON file path or inline JSON (SGLang --hisparse-config keys +
-    host_pool_gib); the demo default when omitted."""
-    if not value:
-        return HiSparseConfig.from_dict(dict(DEMO_CONFIG))
-    path = Path(value)
-    if not value.lstrip().startswith("{") and path.exists():
-        value = path.read_text()
-    return HiSparseConfig.from_json(value)
-
-
-def _use_gpu(flag: str) -> bool:
-    if flag == "cpu":
-        return False
-    import torch
-
-    if flag == "gpu" and not torch.cuda.is_available():
-        raise SystemExit("--device gpu: no CUDA device visible")
-    return torch.cuda.is_available()
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def gpus_per_rank(flag: float | None, tp: int, gpus: int) -> float:
-    """``--gpus-per-rank``: as given, else one GPU per rank when the node has ``tp`` of them, else
-    all ranks on one GPU (1 / tp each). 0 when there is no GPU."""
-    if gpus == 0:
-        return 0.0
-    if flag is not None:
-        if not 0 < flag <= 1:
-            raise SystemExit(f"--gpus-per-rank: must be in (0, 1], got {flag}")
-        needed = tp if flag > 0.5 else flag * tp  # above 0.5 no two ranks share a GPU
-        if needed > gpus + 1e-9:
-            raise SystemExit(f"--gpus-per-rank {flag} with --tp {tp} needs {needed:g} GPUs, "
-                             f"{gpus} visible")
-        return flag
-    return 1.0 if gpus >= tp else 1.0 / tp
-
-
-def _specs(args: argparse.Namespace, cfg: HiSparseConfig):
-    from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
-
-    gpu = _use_gpu(args.device)
-    model = ModelSpec(kind=args.model, seed=args.seed, dtype=args.dtype, fp8=args.fp8)
-    replica = ReplicaSpec(model=model, hisparse=cfg, page_size=args.page_size,
-                          num_device_blocks=args.device_blocks, tp_size=args.tp,
-                          gpus_per_rank=gpus_per_rank(args.gpus_per_rank, args.tp,
-                                                      _gpu_count() if gpu else 0))
-    prefill = PrefillSpec(model=model, gpus=0.0)
-    return replica, prefill
+def options(args: argparse.Namespace) -> DeployOptions:
+    """The deployment options the command's flags give (unset flags: the options' defaults);
+    ConfigError naming a bad flag's option and value."""
+    return DeployOptions.from_dict({f.name: getattr(args, f.name) for f in fields(DeployOptions)
+                                    if hasattr(args, f.name)})
 
 
 def _start_ray(num_cpus: int | None) -> None:
     import ray
 
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
-             num_gpus=_gpu_count(), include_dashboard=False,
+             num_gpus=visible_gpus(), include_dashboard=False,
              log_to_driver=False, configure_logging=False)
 
 
@@ -128,7 +77,7 @@ def reference_tokens(model_spec, requests: list[tuple[str, list[int]]], max_new_
                      device: str = "cpu") -> dict[str, list[int]]:
     """The same prompts through the in-process engine in full-resident mode (greedy), on the
     device the decode ranks used."""
-    from hisparse_ray.actors.reference import full_resident_tokens
+    from hisparse_ray.testing.full_resident import full_resident_tokens
 
     return full_resident_tokens(model_spec, [p for _, p in requests], max_new_tokens,
                                 [rid for rid, _ in requests], device=device)
@@ -164,25 +113,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hisparse_ray.actors import launch
 
     t_start = time.perf_counter()
-    cfg = load_config(args.config)
-    replica_spec, prefill_spec = _specs(args, cfg)
-    rng = random.Random(args.seed)
+    opts = options(args)
+    cfg = opts.config
+    replica_spec, prefill_spec = opts.specs()
+    rng = random.Random(opts.seed)
     lengths = [rng.randint(args.min_context, args.max_context) for _ in range(args.requests)]
     requests = [(f"req{i}", [rng.randrange(1, 96) for _ in range(n)]) for i, n in enumerate(lengths)]
     print(f"hisparse-ray demo: {len(requests)} requests, contexts {lengths} tokens = "
           f"{min(lengths) / cfg.device_buffer_size:.0f}-{max(lengths) / cfg.device_buffer_size:.0f}x "
           f"the hot buffer ({cfg.device_buffer_size} slots), top-k {cfg.top_k}, "
-          f"{args.max_new_tokens} new tokens each, TP {args.tp}, device {replica_spec.device}"
+          f"{opts.max_new_tokens} new tokens each, TP {opts.tp}, device {replica_spec.device}"
           + (f" ({replica_spec.gpus_per_rank:g} GPU per rank)" if replica_spec.use_cuda else ""))
     _start_ray(args.num_cpus)
     try:
         t0 = time.perf_counter()
         replica = launch.launch_deployment(replica_spec, prefill_spec)
         print(f"deployment up in {time.perf_counter() - t0:.1f}s: 1 prefill worker, 1 decode "
-              f"replica (coordinator + {args.tp} ranks, STRICT_PACK), landing path "
+              f"replica (coordinator + {opts.tp} ranks, STRICT_PACK), landing path "
               f"{ray.get(replica.coordinator.metrics.remote())['landing_paths']}")
         try:
-            rows = run_requests(replica, requests, args.max_new_tokens)
+            rows = run_requests(replica, requests, opts.max_new_tokens)
             metrics = ray.get(replica.coordinator.metrics.remote())
         finally:
             replica.shutdown()
@@ -194,7 +144,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"FAILED requests: {[(r['request_id'], r['error']) for r in failed]}")
         return 1
     print("\nexactness check: the same prompts through full-resident decode (in-process engine)")
-    ref = reference_tokens(replica_spec.model, requests, args.max_new_tokens, replica_spec.device)
+    ref = reference_tokens(replica_spec.model, requests, opts.max_new_tokens, replica_spec.device)
     ok = True
     for r in rows:
         same = r["tokens"] == ref[r["request_id"]]
@@ -211,9 +161,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from hisparse_ray.actors import launch
 
-    cfg = load_config(args.config)
-    replica_spec, prefill_spec = _specs(args, cfg)
-    tok = replica_spec.model.tokenizer()  # the folder's, or the byte tokenizer of the built-ins
+    opts = options(args)
+    replica_spec, prefill_spec = opts.specs()
+    tok = replica_spec.model.tokenizer()  # a folder's HF tokenizer, or the built-ins' byte one
+    if tok is None and args.prompt:
+        raise SystemExit(f"--prompt: the model {opts.model} has no tokenizer; give --ids")
     requests: list[tuple[str, list[int]]] = []
     for i, text in enumerate(args.prompt or []):
         requests.append((f"p{i}", tok.encode(text)))
@@ -225,7 +177,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         replica = launch.launch_deployment(replica_spec, prefill_spec)
         try:
-            rows = run_requests(replica, requests, args.max_new_tokens, show_progress=not args.json)
+            rows = run_requests(replica, requests, opts.max_new_tokens,
+                                show_progress=not args.json)
             metrics = ray.get(replica.coordinator.metrics.remote())
         finally:
             replica.shutdown()
@@ -257,17 +210,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from hisparse_ray.serve import build_app
 
-    options = {k: getattr(args, k) for k in (
-        "config", "tp", "model", "seed", "dtype", "fp8", "page_size", "device_blocks", "device",
-        "gpus_per_rank", "max_new_tokens", "num_replicas", "request_timeout_s")}
-    app = build_app(options)  # option errors before anything starts
+    opts = options(args)
+    app = build_app(opts)  # option errors before anything starts
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     _start_ray(args.num_cpus)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        print(f"starting {args.num_replicas} HiSparse replica(s) (TP {args.tp})...", flush=True)
+        print(f"starting {opts.num_replicas} HiSparse replica(s) (TP {opts.tp})...", flush=True)
         t0 = time.perf_counter()
         serve.run(app, name="hisparse", route_prefix="/", blocking=False)
         print(f"serving on http://{args.host}:{args.port}/ (up in "
@@ -304,29 +255,25 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def _deployment_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="HiSparse config: a JSON file or inline JSON (SGLang "
-                   "--hisparse-config keys + host_pool_gib); default: the demo config")
-    p.add_argument("--tp", type=int, default=2, help="decode tensor-parallel ranks (default 2)")
-    p.add_argument("--model", default="deepseek_v32",
-                   help="a built-in kind (deepseek_v32, glm_moe_dsa: tiny, random weights) or a "
-                        "local HF model folder (config.json, safetensors shards, tokenizer; "
-                        "DeepSeek-V3.2 / GLM-5, fp8 block-quantized included)")
-    p.add_argument("--fp8", choices=["auto", "kernel", "dequantize"], default="auto",
-                   help="fp8 checkpoints: fp8 GEMMs on sm90 GPUs (auto), or dequantize at load")
-    p.add_argument("--seed", type=int, default=0, help="model weights and demo prompts seed")
-    p.add_argument("--page-size", type=int, default=8, help="positions per page / host block")
-    p.add_argument("--device-blocks", type=int, default=16,
-                   help="device pool blocks per rank (small: long contexts land on the host tier)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    p.add_argument("--gpus-per-rank", type=float, default=None,
-                   help="GPU share of each decode rank: 1 = a GPU per rank (NCCL TP group), "
-                        "0.5 = two ranks on one GPU (gloo); default: 1 if the node has --tp GPUs, "
-                        "else 1/tp")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="model and KV dtype (the exactness check batches differently from the "
-                        "reference; float32 keeps greedy choices robust to that)")
+_TITLES = {"model": "model", "replica": "decode replica", "prefill": "prefill worker",
+           "request": "requests", "serve": "Ray Serve"}
+_METAVARS = {"int": "N", "float": "X", "float?": "X", "str": "NAME", "dict?": "JSON",
+             "config": "JSON"}
+
+
+def _deployment_args(p: argparse.ArgumentParser, command: str) -> None:
+    """One flag per deployment option of the command's groups (``DeployOptions``: its help, its
+    default; values are parsed and checked by ``DeployOptions.from_dict``)."""
+    groups = {g: p.add_argument_group(_TITLES[g] + " options") for g in CLI_GROUPS[command]}
+    for f in fields(DeployOptions):
+        meta = f.metadata
+        if meta["group"] not in groups:
+            continue
+        shown = "" if f.default is MISSING or f.default is None else f" (default {f.default})"
+        groups[meta["group"]].add_argument(
+            "--" + f.name.replace("_", "-"), dest=f.name, default=None,
+            choices=meta["choices"] or None, metavar=None if meta["choices"] else
+            _METAVARS[meta["kind"]], help=meta["help"] + shown)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
 
 
@@ -336,27 +283,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the main job: long-context requests through prefill -> "
                        "NIXL -> TP 2 HiSparse decode, checked against full-resident decode")
-    _deployment_args(d)
+    _deployment_args(d, "demo")
     d.add_argument("--requests", type=int, default=4)
     d.add_argument("--min-context", type=int, default=160)
     d.add_argument("--max-context", type=int, default=240)
     d.set_defaults(func=_cmd_demo)
     g = sub.add_parser("generate", help="generate for your prompts (text via a byte-level "
                        "tokenizer, or token ids)")
-    _deployment_args(g)
+    _deployment_args(g, "generate")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--ids", action="append", help="prompt token ids, e.g. '5,17,3' (repeatable)")
     g.add_argument("--json", action="store_true", help="print results as JSON")
     g.set_defaults(func=_cmd_generate)
     v = sub.add_parser("serve", help="serve generate over HTTP with Ray Serve (POST JSON "
                        "{\"prompt\": ...} or {\"ids\": [...]})")
-    _deployment_args(v)
+    _deployment_args(v, "serve")
     v.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--num-replicas", type=int, default=1,
-                   help="Serve replicas, each with its own prefill worker and decode replica")
-    v.add_argument("--request-timeout-s", type=float, default=600.0,
-                   help="a request still running after this is aborted (HTTP 504)")
     v.set_defaults(func=_cmd_serve)
     s = sub.add_parser("smoke", help="start a local Ray cluster and print the config")
     s.add_argument("--config", help="HiSparse config JSON (SGLang --hisparse-config keys)")

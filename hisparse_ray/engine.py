@@ -17,13 +17,12 @@ from typing import Any, Sequence
 
 import torch
 
-from hisparse_ray.config import HiSparseConfig, KVLayout
-from hisparse_ray.core.config import CoordinatorConfig
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import ConfigError, DuplicateRequestError, InvalidRequestError, StateError
-from hisparse_ray.hostpool import HostPool
+from hisparse_ray.host.pool import HostPool
+from hisparse_ray.rank.executor import HiSparseWorker, SamplingParams
 from hisparse_ray.types import RequestId, RequestState
-from hisparse_ray.worker import HiSparseWorker, SamplingParams
 
 _ids = itertools.count()
 
@@ -44,7 +43,7 @@ class EngineConfig:
     full_resident: bool = False
     device: str = "cpu"
     backend: str = "auto"
-    batch_invariant: bool = True  # see HiSparseWorker: exact across schedules; False = throughput
+    batch_invariant: bool = True  # see HiSparseWorker and DSAModel.prefill: exact; False = throughput
 
     def __post_init__(self) -> None:
         for key in ("page_size", "num_device_blocks", "max_batch"):
@@ -133,7 +132,8 @@ class Engine:
                 rid = adm.request_id
                 hook = lambda layer, topk: self.prefill_hook(rid, layer, topk)  # noqa: E731
             with torch.no_grad():
-                _, kv_rows, keys = self.model.prefill(tokens, topk_hook=hook)
+                _, kv_rows, keys = self.model.prefill(tokens, topk_hook=hook,
+                                                      batch_invariant=self.config.batch_invariant)
             self.worker.land_local(adm, kv_rows)
         self.worker.install_index_keys(adm.request_id, keys, T + p.max_new_tokens + 1)
         self._pending.pop(adm.request_id, None)

@@ -36,70 +36,43 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hisparse_ray.deploy import DeployOptions, PrefillSpec, ReplicaSpec
 from hisparse_ray.errors import (
     CapacityError, ConfigError, HiSparseError, InvalidRequestError, StateError, TransferError,
 )
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from hisparse_ray.actors.coordinator import ReplicaCoordinator
+
 log = logging.getLogger(__name__)
 
-#: ``build_app`` options and their defaults (the CLI's deployment flags, same meaning)
-DEFAULTS: dict[str, Any] = {
-    "config": None,  # HiSparse config: dict, inline JSON or a JSON file path; None = demo config
-    "tp": 2, "model": "deepseek_v32", "seed": 0, "dtype": "float32", "fp8": "auto", "page_size": 8,
-    "device_blocks": 16, "device": "auto", "gpus_per_rank": None,
-    "max_new_tokens": 16,  # default per request
-    "max_new_tokens_limit": 4096,  # the most a request may ask for
-    "request_timeout_s": 600.0,
-    "num_replicas": 1, "max_ongoing_requests": 64,
-    "health_check_period_s": 10.0,  # how soon Serve notices a failed replica and replaces it
-    # pin the decode replica / the prefill worker to nodes offering these custom resources
-    # (multi-node prefill/decode: e.g. {"decode_node": 0.01} and {"prefill_node": 0.01})
-    "decode_resources": None, "prefill_resources": None,
-}
 POLL_S = 1.0  # the poller's longest wait on the coordinator (a shutdown is noticed within it)
 _REQUEST_KEYS = ("prompt", "ids", "max_new_tokens", "eos_token_id", "stream")
 STREAM_POLL_S = 0.05  # while a stream is open: how often its new tokens are fetched
 
 
-def _specs(options: dict[str, Any]):
-    """(ReplicaSpec, PrefillSpec) from ``build_app`` options (CLI semantics, errors as
-    ConfigError naming the option)."""
-    import argparse
-
-    from hisparse_ray import cli
-
-    cfg = options["config"]
-    cfg = cli.load_config(json.dumps(cfg) if isinstance(cfg, dict) else cfg)
-    ns = argparse.Namespace(**{k: options[k] for k in (
-        "tp", "model", "seed", "dtype", "page_size", "device_blocks", "device", "gpus_per_rank",
-        "fp8")})
-    try:
-        return cli._specs(ns, cfg)
-    except SystemExit as err:  # the CLI's own argument errors
-        raise ConfigError("deployment", str(err), "valid build_app options") from None
-
-
 class HiSparseServer:
     """The Serve deployment class (plain; ``build_app`` wraps it). ``replica_spec`` /
-    ``prefill_spec``: the HiSparse deployment it launches; ``options``: ``DEFAULTS`` keys."""
+    ``prefill_spec``: the HiSparse deployment it launches (``options.specs()``); ``options``: the
+    deployment's options (request defaults and limits, timeouts, node pinning)."""
 
-    def __init__(self, replica_spec, prefill_spec, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, replica_spec: ReplicaSpec, prefill_spec: PrefillSpec,
+                 options: DeployOptions | None = None) -> None:
         from hisparse_ray.actors import launch
-        from hisparse_ray.errors import CheckpointError
 
-        self.options = {**DEFAULTS, **(options or {})}
+        self.options = options if options is not None else DeployOptions()
         self.vocab_size = int(replica_spec.model.dsa_config().vocab_size)
-        try:  # a model folder's HF tokenizer, or the built-in kinds' byte tokenizer
-            self.tokenizer = replica_spec.model.tokenizer()
-        except CheckpointError:  # a folder without tokenizer files: requests send 'ids'
-            self.tokenizer = None
+        self.tokenizer = replica_spec.model.tokenizer()
         t0 = time.monotonic()
         self.replica = launch.launch_deployment(
-            replica_spec, prefill_spec, decode_resources=self.options["decode_resources"],
-            prefill_resources=self.options["prefill_resources"])
+            replica_spec, prefill_spec, decode_resources=self.options.decode_resources,
+            prefill_resources=self.options.prefill_resources)
         log.info("HiSparse deployment up in %.1f s (TP %d)", time.monotonic() - t0,
                  replica_spec.tp_size)
         self._coord = self.replica.coordinator
@@ -139,8 +112,8 @@ class HiSparseServer:
 
     def _max_new(self, value: Any) -> int:
         if value is None:
-            return int(self.options["max_new_tokens"])
-        limit = int(self.options["max_new_tokens_limit"])
+            return self.options.max_new_tokens
+        limit = self.options.max_new_tokens_limit
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
             raise InvalidRequestError("-", f"max_new_tokens={value!r} must be an int in "
                                            f"[1, {limit}]")
@@ -197,7 +170,7 @@ class HiSparseServer:
         """Yield the request's token chunks (streams only) and its final result; a caller that
         leaves (cancellation, generator closed) or a timeout aborts the request, which frees
         its blocks and drops its record once done (a result that wins the race is dropped)."""
-        timeout = self.options["request_timeout_s"] if timeout_s is None else timeout_s
+        timeout = self.options.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         finished = False
         try:
@@ -354,7 +327,7 @@ class HiSparseServer:
                       "failed": repr(self._failed) if self._failed else None}
         return m
 
-    def coordinator(self):
+    def coordinator(self) -> ActorHandle[ReplicaCoordinator]:
         """The decode replica's coordinator actor handle (operations and tests)."""
         return self._coord
 
@@ -433,44 +406,20 @@ def _status(err: BaseException) -> int | None:
     return None
 
 
-def build_app(options: dict[str, Any] | None = None):
+def build_app(options: DeployOptions | Mapping[str, Any] | None = None):
     """A Serve application of ``HiSparseServer`` (``serve.run(build_app({...}))``, or
-    ``serve run hisparse_ray.serve:build_app tp=2 ...``). ``options``: ``DEFAULTS`` keys;
-    an unknown key or bad value raises ConfigError naming it."""
+    ``serve run hisparse_ray.serve:build_app tp=2 ...``). ``options``: a ``DeployOptions`` or a
+    mapping of its option names (strings are parsed); an unknown name or a bad value raises
+    ConfigError naming it, before anything starts."""
     from ray import serve
 
-    opts = dict(DEFAULTS)
-    for key, value in (options or {}).items():
-        if key not in DEFAULTS:
-            raise ConfigError(key, value, f"one of {sorted(DEFAULTS)}")
-        opts[key] = value
-    for key in ("num_replicas", "max_ongoing_requests", "max_new_tokens", "max_new_tokens_limit"):
-        v = opts[key]
-        if isinstance(v, str) and v.isdigit():  # `serve run ... key=value` passes strings
-            v = opts[key] = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(key, v, "an int >= 1")
-    if opts["max_new_tokens"] > opts["max_new_tokens_limit"]:
-        raise ConfigError("max_new_tokens", opts["max_new_tokens"],
-                          f"<= max_new_tokens_limit ({opts['max_new_tokens_limit']})")
-    for key in ("request_timeout_s", "health_check_period_s"):
-        try:
-            opts[key] = float(opts[key])
-        except (TypeError, ValueError):
-            raise ConfigError(key, opts[key], "seconds > 0") from None
-        if not opts[key] > 0:
-            raise ConfigError(key, opts[key], "seconds > 0")
-    for key in ("decode_resources", "prefill_resources"):
-        v = opts[key]
-        if v is not None and not (isinstance(v, dict) and all(
-                isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool)
-                and x > 0 for k, x in v.items())):
-            raise ConfigError(key, v, "None or a dict of resource name -> amount > 0")
-    replica_spec, prefill_spec = _specs(opts)
+    opts = options if isinstance(options, DeployOptions) else \
+        DeployOptions.from_dict(options or {})
+    replica_spec, prefill_spec = opts.specs()
     dep = serve.deployment(
-        HiSparseServer, name="hisparse", num_replicas=opts["num_replicas"],
-        max_ongoing_requests=opts["max_ongoing_requests"],
+        HiSparseServer, name="hisparse", num_replicas=opts.num_replicas,
+        max_ongoing_requests=opts.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},  # a router: the decode replica holds the resources
-        graceful_shutdown_timeout_s=60, health_check_period_s=opts["health_check_period_s"],
+        graceful_shutdown_timeout_s=60, health_check_period_s=opts.health_check_period_s,
     )
     return dep.bind(replica_spec, prefill_spec, opts)

@@ -1,7 +1,11 @@
 """The wire module: every value that crosses a process boundary (pure ring: standard library only).
 
 Small frozen dataclasses of ints and tuples, with ``NewType`` ids so that a host block id cannot be
-passed where a device block id is expected. Commands carry diffs, not snapshots.
+passed where a device block id is expected. Commands carry diffs, not snapshots. Three groups:
+the decode step (``StepCommand`` / ``StepReport`` over the shared-memory channel), the coordinator's
+answers (``Admission``, ``RequestView``, counters), and a landing (the ``RegionDesc``s a peer
+WRITEs into, ``RankEndpoint``, ``LandingOrder`` / ``LandingDest`` to the prefill worker,
+``RankLandingStep`` to each rank; they ride Ray calls as :func:`pack`'s bytes).
 
 Device memory model (shared by coordinator, worker runtime and kernels):
   * The device pool is ``num_device_blocks`` blocks of ``page_size`` rows per layer. A block is
@@ -15,8 +19,12 @@ Device memory model (shared by coordinator, worker runtime and kernels):
 from __future__ import annotations
 
 import enum
+import functools
+import pickle
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Any, NewType
+
+from hisparse_ray.errors import TransferError
 
 RequestId = NewType("RequestId", str)
 HostBlockId = NewType("HostBlockId", int)
@@ -199,3 +207,207 @@ class CoordinatorCounters:
     host_blocks_total: int = 0
     host_blocks_used: int = 0  # referenced or pinned host blocks
     host_blocks_cached: int = 0  # published, unreferenced (evictable) host blocks
+
+
+# --- Landing: the regions a peer writes and the messages of a prefill -> decode landing ---------
+
+
+class MemKind(enum.Enum):
+    """Where a registered region lives; the values are NIXL's memory-segment names."""
+
+    HOST = "DRAM"
+    DEVICE = "VRAM"
+
+
+@dataclass(frozen=True, slots=True)
+class RegionDesc:
+    """A registered memory region, as its owner describes it to peers (picklable, plain ints).
+
+    agent: owning engine's agent name. name: the owner's label, unique per engine.
+    addr/nbytes: virtual address and byte length in the owner's process. device_id: CUDA device
+    ordinal for DEVICE, 0 for HOST. Offsets into a region are byte offsets in ``[0, nbytes)``.
+    """
+
+    agent: str
+    name: str
+    addr: int
+    nbytes: int
+    device_id: int
+    kind: MemKind
+
+    def __reduce__(self):
+        # plain values, rebuilt through a cache: a landing order names the same few hundred
+        # regions every time, and the dataclass's own pickling (per-field setstate + the enum)
+        # cost ~3 us per region, ~1 ms per 16K-token order on its critical path
+        return _region, (self.agent, self.name, self.addr, self.nbytes, self.device_id,
+                         self.kind.value)
+
+    def check_span(self, offset: int, nbytes: int) -> None:
+        """Raise ``TransferError`` unless ``[offset, offset + nbytes)`` lies inside the region."""
+        if nbytes <= 0 or offset < 0 or offset + nbytes > self.nbytes:
+            raise TransferError(
+                f"span [{offset}, {offset + nbytes}) outside region {self.agent}/{self.name} "
+                f"of {self.nbytes} bytes"
+            )
+
+
+@functools.lru_cache(maxsize=16384)
+def _region(agent: str, name: str, addr: int, nbytes: int, device_id: int, kind: str) -> RegionDesc:
+    """Unpickling of a :class:`RegionDesc` (frozen, so one shared instance per value is safe)."""
+    return RegionDesc(agent, name, addr, nbytes, device_id, MemKind(kind))
+
+
+_COLUMNS: dict[int, tuple[tuple, tuple]] = {}  # id(regions) -> (regions, columns)
+
+
+def region_columns(regions: tuple[RegionDesc, ...]) -> tuple:
+    """A tuple of regions as plain columns for pickling, ``(agent, kind, device, names, addrs,
+    sizes)`` when they share agent, kind and device (an endpoint's per-layer regions), else the
+    tuple itself. Memoized per tuple object: a landing order names the same endpoint tuples every
+    time (pickling 61 regions one by one took ~250 us per order on the dev VM)."""
+    hit = _COLUMNS.get(id(regions))
+    if hit is not None and hit[0] is regions:
+        return hit[1]
+    if not regions or type(regions) is not tuple:
+        return regions
+    r0 = regions[0]
+    if any(type(r) is not RegionDesc or r.agent != r0.agent or r.kind is not r0.kind
+           or r.device_id != r0.device_id for r in regions):
+        return regions
+    cols = (r0.agent, r0.kind.value, r0.device_id, tuple(r.name for r in regions),
+            tuple(r.addr for r in regions), tuple(r.nbytes for r in regions))
+    if len(_COLUMNS) > 1024:
+        _COLUMNS.clear()
+    _COLUMNS[id(regions)] = (regions, cols)  # holds ``regions``: its id stays unique
+    return cols
+
+
+def regions_from_columns(cols: tuple) -> tuple[RegionDesc, ...]:
+    """The inverse of :func:`region_columns`; equal columns give the very same tuple."""
+    if not cols or isinstance(cols[0], RegionDesc):
+        return cols
+    return _regions(cols)
+
+
+@functools.lru_cache(maxsize=1024)
+def _regions(cols: tuple) -> tuple[RegionDesc, ...]:
+    agent, kind, device, names, addrs, sizes = cols
+    n = len(names)
+    return tuple(map(_region, (agent,) * n, names, addrs, sizes, (device,) * n, (kind,) * n))
+
+
+@dataclass(frozen=True, slots=True)
+class RankEndpoint:
+    """How a prefill worker reaches one decode rank (published after the rank registered its
+    regions). host_layers / staging_layers: rank 0 only, () on peers. device_layers: every rank.
+    direct_host: whether this rank accepts direct host writes from a peer of the same memory kind
+    as the prefill worker's send buffer (decided by the prefill side's engine; see module doc)."""
+
+    rank: int
+    agent: str
+    metadata: bytes
+    node_id: str
+    host_layers: tuple[RegionDesc, ...]
+    device_layers: tuple[RegionDesc, ...]
+    staging_layers: tuple[RegionDesc, ...]
+    staging_blocks: int
+    # every rank (when the replica has a staging pool): indexer-key landing rows, one region per
+    # layer of ``staging_blocks * page_size`` rows of ``key_row_bytes``, indexed like the staging
+    # pool's blocks (the lander's staging lease covers them on every rank)
+    key_layers: tuple[RegionDesc, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LandingDest:
+    """One WRITE into one rank: ``pages`` are (page of the request, block of ``layers``) pairs;
+    page p holds positions ``[p * page_size, (p + 1) * page_size)`` clipped to the prompt."""
+
+    rank: int
+    layers: tuple[RegionDesc, ...]
+    pages: tuple[tuple[int, int], ...]
+    notif: bytes
+    # indexer keys of positions ``[lo, lo + n)`` into rows ``[row, row + n)`` of every layer's
+    # ``key_layers`` region: ``key_rows = (lo, row, n)``; None: no keys in this WRITE
+    key_layers: tuple[RegionDesc, ...] = ()
+    key_rows: tuple[int, int, int] | None = None
+    # > 1: the KV rows go as this many WRITEs by layer group (layer l in group l * G // L), each
+    # with notification ``group_notif(notif, g)`` (the keys ride with the last group), so the
+    # rank can copy group g to host while later groups are still being written
+    layer_groups: int = 1
+
+    def __reduce__(self):
+        # the layer regions as columns (one endpoint's: same agent, kind, device): an order of a
+        # 16K-token prompt names 183 of them, pickled one by one they were most of pack()
+        return _landing_dest, (self.rank, region_columns(self.layers), self.pages, self.notif,
+                               region_columns(self.key_layers), self.key_rows, self.layer_groups)
+
+
+def _landing_dest(rank, layers, pages, notif, key_layers, key_rows, layer_groups) -> LandingDest:
+    return LandingDest(rank, regions_from_columns(layers), pages, notif,
+                       regions_from_columns(key_layers), key_rows, layer_groups)
+
+
+@dataclass(frozen=True, slots=True)
+class RankLandingStep:
+    """What one decode rank does for one landing chunk, in one Ray call
+    (``DecodeWorker.complete_landing``), in this order:
+
+    1. wait for the WRITE notification ``notif`` (None: nothing was written to this rank);
+    2. rank 0, staged path: ``unstage = (first staging block, host blocks, pages)``: copy the
+       chunk's pages from the staging run into host blocks; ``host_written``: a direct WRITE
+       went into host blocks (publish them to the peers);
+    3. ``keys = (lo, row, n)``: copy indexer keys of positions ``[lo, lo + n)`` from key
+       staging rows ``[row, row + n)`` into the request's key cache (created on first use with
+       room for ``capacity`` positions);
+    4. ``last``: the request's key cache holds ``num_positions`` keys (it may decode once every
+       rank finished its steps)."""
+
+    request_id: str
+    num_positions: int
+    capacity: int
+    timeout_s: float
+    notif: bytes | None = None
+    unstage: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
+    host_written: bool = False
+    keys: tuple[int, int, int] | None = None
+    last: bool = False
+    layer_groups: int = 1  # > 1: wait and unstage group by group (``LandingDest.layer_groups``)
+
+
+@dataclass(frozen=True, slots=True)
+class LandingOrder:
+    """Push ``request_id``'s prefilled KV (already computed by ``PrefillWorker.prefill``) to
+    ``dests``; each dest is one WRITE with its notification, retried ``attempts`` times with a
+    ``timeout_s`` deadline per attempt."""
+
+    request_id: str
+    dests: tuple[LandingDest, ...]
+    attempts: int = 3
+    timeout_s: float = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """What prefill returns besides the pushed KV: timings and, only when asked (``keys_inline``:
+    replicas without key staging), the indexer keys (model-owned, dense, replicated over ranks)
+    as numpy ``[L, T, index_head_dim]`` (float32 on the wire for bf16 models); otherwise None
+    and the keys travel by NIXL with the KV (``LandingDest.key_rows``)."""
+
+    request_id: str
+    num_positions: int
+    index_keys: object
+    prefill_s: float
+
+
+def pack(obj: Any) -> bytes:
+    """A landing order or rank step as the bytes its Ray call carries. Ray serializes a nested
+    dataclass argument several times slower than the same bytes (measured on the dev VM: 560 vs
+    160 us per ``.remote()`` for a 16K-token order of 61 layer regions and 256 pages), and the
+    lander makes three such calls on a landing's critical path. ``RegionDesc`` pickles by value
+    through a cache (``transfer.base``), which cut a 16K-token order's loads from 370 to 70 us."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(arg: Any) -> Any:
+    """The object behind :func:`pack`'s bytes; anything else as it is (direct callers, tests)."""
+    return pickle.loads(arg) if isinstance(arg, (bytes, bytearray)) else arg

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hisparse_ray.core.device_pool import HOT_GROUP
+from hisparse_ray.core.device_blocks import HOT_GROUP
 from hisparse_ray.core.prefix_index import chain_keys
 from hisparse_ray.core.request import Page, Request
 from hisparse_ray.core.residency import Residency

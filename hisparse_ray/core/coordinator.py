@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.core.admission import MAX_TOKEN, fits, land, match_prefix, validate_request
-from hisparse_ray.core.config import CoordinatorConfig
 from hisparse_ray.core.invariants import check_coordinator
 from hisparse_ray.core.request import Conversion, Page, Request, TransferOp
 from hisparse_ray.core.residency import Residency

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hisparse_ray.core.config import CoordinatorConfig
-from hisparse_ray.core.device_pool import HOT_GROUP, DeviceBlockPool
-from hisparse_ray.core.host_pool import HostBlockPool
+from hisparse_ray.config import CoordinatorConfig
+from hisparse_ray.core.device_blocks import HOT_GROUP, DeviceBlockPool
+from hisparse_ray.core.host_blocks import HostBlockPool
 from hisparse_ray.core.prefix_index import PrefixKey, ROOT_KEY, page_key
 from hisparse_ray.core.request import Conversion, Page, Pending, Request, TransferBook, TransferOp
 from hisparse_ray.types import LandingTarget, RequestState

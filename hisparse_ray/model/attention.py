@@ -12,7 +12,8 @@ Facts from transformers 5.23.0 (``DeepseekV32Attention``):
 We never expand: with ``kv_b_proj.weight`` viewed ``[H, nope + v, R]`` (``W_uk = [:, :nope]``,
 ``W_uv = [:, nope:]``), ``q_lat[h] = W_uk[h]^T q_nope[h]`` and the score is
 ``[q_lat[h], q_rope[h]] . row(t)``; the output is ``W_uv[h] (sum_t p[h, t] c(t))``, then ``o_proj``.
-Prefill and decode share this path (prefill: dense scores with the top-k mask, in query chunks).
+Prefill runs the same per-query computation over each query's own top-k rows, in query chunks
+(:meth:`MLAAttention.prefill`; chunk sizes from :class:`~hisparse_ray.model.plan.PrefillPlan`).
 
 Tensor parallel: a rank holds heads ``[rank*H/tp, (rank+1)*H/tp)`` of ``q_b_proj``/``kv_b_proj`` (rows)
 and ``o_proj`` (columns); latent KV rows and the indexer are replicated. The partial ``o_proj`` output
@@ -32,10 +33,9 @@ from hisparse_ray.model.config import DSAConfig
 from hisparse_ray.model.fp8 import linear_no_bias
 from hisparse_ray.model.indexer import Indexer
 from hisparse_ray.model.layers import RMSNorm
+from hisparse_ray.model.plan import PrefillPlan
 from hisparse_ray.model.rope import rotate_interleaved, softmax_scale
-
-# Prefill scores are dense [chunk, heads, T]; the query chunk keeps them under this many elements.
-PREFILL_SCORE_ELEMENTS = 1 << 26
+from hisparse_ray.model.rowmath import RowMath
 
 
 class MLAAttention(nn.Module):
@@ -112,7 +112,7 @@ class MLAAttention(nn.Module):
             out = out + self.o_proj.bias
         return out
 
-    # -- one request's prompt ------------------------------------------------------------------
+    # -- one request's prompt: chunked, sparse (prefill side) -----------------------------------
     def prefill(
         self,
         x: Tensor,
@@ -120,27 +120,64 @@ class MLAAttention(nn.Module):
         sin: Tensor,
         prev_topk: Tensor | None,
         topk_hook: Callable[[int, Tensor], Tensor | None] | None,
-        score_elements: int = PREFILL_SCORE_ELEMENTS,
+        plan: PrefillPlan,
+        rm: RowMath,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """``x [T, hidden]`` -> ``(out [T, hidden], topk [T, K], row [T, row_dim], index_keys [T, d] | None)``.
-        Queries are processed in chunks so that ``chunk * heads * T <= score_elements`` (at least 1 row)."""
+
+        Latent rows and indexer keys of all ``T`` positions first (``plan.rows`` at a time), then the
+        indexer's top-k in chunks of ``plan.index_queries`` queries, then sparse attention in chunks of
+        ``plan.attn_queries``: each query attends over its own top-k rows only (gathered, absorbed MLA as
+        in :meth:`decode`), so nothing of size ``T * T`` or ``T * heads * (R + rope)`` is ever built."""
+        cfg = self.cfg
         T = x.shape[0]
-        q_full, q_resid, row = self.project(x, cos, sin)
+        q_resid = torch.empty(T, cfg.q_lora_rank, dtype=x.dtype, device=x.device)
+        row = torch.empty(T, cfg.row_dim, dtype=x.dtype, device=x.device)
+        for lo in range(0, T, plan.rows):
+            hi = min(T, lo + plan.rows)
+            q_resid[lo:hi] = self.q_a_layernorm(rm.linear(x[lo:hi], self.q_a_proj.weight, self.q_a_proj.bias))
+            kv = rm.linear(x[lo:hi], self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+            c, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            row[lo:hi] = torch.cat([self.kv_a_layernorm(c), rotate_interleaved(k_rope, cos[lo:hi], sin[lo:hi])], dim=-1)
         keys = None
         if self.indexer is not None:
-            topk, keys = self.indexer.prefill_topk(x, q_resid, cos, sin)
+            topk, keys = self.indexer.prefill_topk(x, q_resid, cos, sin, query_chunk=plan.index_queries,
+                                                   row_chunk=plan.rows, rm=rm)
             if topk_hook is not None:
                 topk = _replace(topk, topk_hook(self.layer, topk))
         else:
             assert prev_topk is not None, "shared layer without an anchor"
             topk = prev_topk
-        outs = []
-        chunk = max(1, score_elements // (self.heads * T))
-        for lo in range(0, T, chunk):
-            hi = min(T, lo + chunk)
-            allowed = _scatter_mask(topk[lo:hi], T)
-            outs.append(self.attend(q_full[None, lo:hi], row[None], allowed[None])[0])
-        return torch.cat(outs), topk, row, keys
+        out = torch.empty(T, cfg.hidden_size, dtype=x.dtype, device=x.device)
+        for lo in range(0, T, plan.attn_queries):
+            hi = min(T, lo + plan.attn_queries)
+            out[lo:hi] = self._prefill_attend(q_resid[lo:hi], cos[lo:hi], sin[lo:hi], row, topk[lo:hi], rm)
+        return out, topk, row, keys
+
+    def _prefill_attend(self, q_resid: Tensor, cos: Tensor, sin: Tensor, row: Tensor, topk: Tensor,
+                        rm: RowMath) -> Tensor:
+        """A chunk of ``Q`` queries: ``q_resid [Q, q_lora]``, all rows ``row [T, row_dim]``, their
+        ``topk [Q, K]`` (-1 padded) -> ``[Q, hidden]``. The same operations as :meth:`project` and
+        :meth:`attend` for one decode row, with ``rm``'s row-mixing matmuls."""
+        cfg = self.cfg
+        Q, R, nope = q_resid.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        q = rm.linear(q_resid, self.q_b_proj.weight).view(Q, self.heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([nope, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = rotate_interleaved(q_rope, cos[:, None], sin[:, None])
+        w = self.kv_b_proj.weight.view(self.heads, nope + cfg.v_head_dim, R)
+        q_full = torch.cat([rm.heads_in(q_nope, w[:, :nope]), q_rope], dim=-1)[:, None]  # [Q, 1, heads, R + rope]
+        rows = row[topk.clamp(min=0)].to(q_full.dtype)  # [Q, K, row_dim]
+        s = torch.matmul(q_full, rows[:, None].transpose(-1, -2)).mul_(self.scale)  # [Q, 1, heads, K]
+        s.masked_fill_(topk[:, None, None, :] < 0, float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q_full.dtype)
+        ctx = torch.matmul(p, rows[:, None, :, :R])[:, 0]  # [Q, heads, R]
+        o = rm.heads_out(ctx, w[:, nope:])  # [Q, heads, v]
+        out = rm.linear(o.reshape(Q, self.heads * cfg.v_head_dim), self.o_proj.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(out, group=self.tp_group)
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+        return out
 
     # -- one batched decode step -----------------------------------------------------------------
     def decode(
@@ -177,9 +214,3 @@ def _replace(topk: Tensor, new: Tensor | None) -> Tensor:
     assert new.shape == topk.shape, f"topk_hook returned {tuple(new.shape)}, expected {tuple(topk.shape)}"
     return new.to(device=topk.device, dtype=torch.int64)
 
-
-def _scatter_mask(topk: Tensor, n: int) -> Tensor:
-    """``topk [Q, K]`` (-1 padded) -> bool ``[Q, n]``, True at selected positions."""
-    mask = torch.zeros(topk.shape[0], n + 1, dtype=torch.bool, device=topk.device)
-    mask.scatter_(1, torch.where(topk < 0, n, topk), True)
-    return mask[:, :n]

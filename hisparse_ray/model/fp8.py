@@ -157,6 +157,12 @@ class Fp8Linear(nn.Module):
             torch.empty(scale_shape((out_features, in_features), block), dtype=torch.float32),
             requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight.fp8_linear = self  # RowMath.linear(x, this weight) finds its GEMM through it
+
+    def _apply(self, fn, recurse=True):  # device moves may replace the Parameter: tag it again
+        out = super()._apply(fn, recurse)
+        self.weight.fp8_linear = self
+        return out
 
     fp8_backend = "kernel"  # or "torch": the kernel's torch twin (same quantization; tests, CPU)
 

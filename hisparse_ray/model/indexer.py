@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from hisparse_ray.model.config import DSAConfig
 from hisparse_ray.model.rope import rotate_half_split, rotate_interleaved
+from hisparse_ray.model.rowmath import RowMath
 
 
 def select_topk(scores: Tensor, k: int) -> Tensor:
@@ -102,15 +103,42 @@ class Indexer(nn.Module):
         s = F.relu(s)  # [B, S, H, N]
         return torch.matmul(w[..., None, :], s).squeeze(-2)
 
-    def prefill_topk(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """One request's prompt ``x [T, hidden]`` -> ``(topk [T, K] int64 causal, -1 padded; keys [T, D])``."""
-        T = x.shape[0]
-        keys = self.keys(x, cos, sin)
-        q, w = self.queries(x, q_resid, cos, sin)
-        s = self.scores(q[None], w[None], keys[None])[0]
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        s = s.masked_fill(~causal, float("-inf"))
-        return select_topk(s, self.cfg.index_topk), keys
+    # -- prefill: one request's prompt, queries in chunks (never [T, H, T]) ------------------------
+    def prefill_topk(
+        self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor, *, query_chunk: int | None = None,
+        row_chunk: int | None = None, rm: RowMath | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One request's prompt ``x [T, hidden]``, ``q_resid [T, q_lora]`` -> ``(topk [T, K] int64
+        causal, -1 padded; keys [T, D] in x's dtype)``.
+
+        Keys are made ``row_chunk`` rows at a time, queries go in chunks of ``query_chunk`` (both
+        default all ``T``); a chunk of queries ``[lo, hi)`` is scored against keys ``[0, hi)`` only
+        and masked causally, so memory is ``O(query_chunk * index_n_heads * T)`` fp32 and the
+        selection of every query is the one :meth:`decode_topk` makes at that position (the tie
+        rule makes it independent of the key count). ``rm`` (default batched) computes the
+        row-mixing matmuls (:mod:`.rowmath`).
+        """
+        cfg = self.cfg
+        rm = rm or RowMath(False)
+        T, H, D = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
+        chunk = T if query_chunk is None else max(1, int(query_chunk))
+        rows = T if row_chunk is None else max(1, int(row_chunk))
+        keys = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        for lo in range(0, T, rows):
+            hi = min(T, lo + rows)
+            k = self.k_norm(rm.linear(x[lo:hi], self.wk.weight, self.wk.bias))
+            keys[lo:hi] = self._rope(k, cos[lo:hi], sin[lo:hi])
+        kf = keys.float()
+        topk = torch.empty(T, cfg.index_topk, dtype=torch.int64, device=x.device)
+        for lo in range(0, T, chunk):
+            hi = min(T, lo + chunk)
+            w = rm.linear(x[lo:hi].to(self.weights_proj.weight.dtype), self.weights_proj.weight).float() * H**-0.5
+            q = rm.linear(q_resid[lo:hi], self.wq_b.weight).view(hi - lo, H, D)
+            q = self._rope(q, cos[lo:hi, None], sin[lo:hi, None]).float()
+            s = rm.head_sum(w, rm.index_scores(q, kf[:hi], D**-0.5), lo)  # [Q, hi]
+            future = torch.arange(hi, device=x.device)[None, :] > torch.arange(lo, hi, device=x.device)[:, None]
+            topk[lo:hi] = select_topk(s.masked_fill_(future, float("-inf")), cfg.index_topk)
+        return topk, keys
 
     def decode_topk(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, n: Tensor) -> Tensor:
         """Batch step: ``x [B, hidden]``, ``keys [B, N, D]`` (row b valid for ``t < n[b]``, the newest key

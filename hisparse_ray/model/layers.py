@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from hisparse_ray.errors import ConfigError
 from hisparse_ray.model.config import DSAConfig
+from hisparse_ray.model.rowmath import RowMath
 
 
 class RMSNorm(nn.Module):
@@ -45,8 +46,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, rm: RowMath | None = None) -> Tensor:
+        """``rm`` (prefill, ``x [N, hidden]``): its row-mixing matmuls; None = the modules' own."""
+        if rm is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = rm.each(F.silu, rm.linear(x, self.gate_proj.weight))
+        return rm.linear(gate * rm.linear(x, self.up_proj.weight), self.down_proj.weight)
 
 
 class Router(nn.Module):
@@ -58,10 +63,15 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rm: RowMath | None = None) -> tuple[Tensor, Tensor]:
+        """``rm`` (prefill): the logits' matmul and their ``sigmoid`` per row when batch-invariant
+        (everything after works per row already)."""
         cfg = self.cfg
         E, G = cfg.n_routed_experts, cfg.n_group
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        if rm is None:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        else:
+            scores = rm.each(torch.sigmoid, rm.linear(x.float(), self.weight.float()))
         choice = scores + self.e_score_correction_bias
         per_group = choice.view(-1, G, E // G)
         group_score = per_group.topk(min(2, E // G), dim=-1).values.sum(-1)  # [N, G]
@@ -191,6 +201,32 @@ class Experts(nn.Module):
         out.index_add_(0, tok, y.to(out.dtype))
         return out
 
+    def forward_rows(self, x: Tensor, weights: Tensor, experts: Tensor, rm: RowMath) -> Tensor:
+        """As :meth:`forward`, each (token, expert) product computed with ``rm.linear`` and each
+        token's expert outputs added in ascending expert order: with a batch-invariant ``rm`` a
+        token's result is bitwise what :meth:`forward` gives that token alone."""
+        N, k = experts.shape
+        order = experts.argsort(dim=1)
+        experts, weights = experts.gather(1, order), weights.gather(1, order)
+        flat = experts.reshape(-1).tolist()
+        xs = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
+        gu = torch.cat([self._row_mm(rm, xs[i : i + 1], "gate_up_proj", e) for i, e in enumerate(flat)])
+        gate, up = gu.chunk(2, dim=-1)
+        h = rm.each(F.silu, gate) * up
+        y = torch.cat([self._row_mm(rm, h[i : i + 1], "down_proj", e) for i, e in enumerate(flat)])
+        y = (y.view(N, k, -1) * weights[..., None]).to(x.dtype)
+        out = torch.zeros_like(x)
+        for j in range(k):
+            out += y[:, j]
+        return out
+
+    def _row_mm(self, rm: RowMath, x: Tensor, name: str, e: int) -> Tensor:
+        """One row's product with expert e (``forward_rows``): ``rm.linear`` for float weights; the
+        fp8 GEMM (one row in, so batch-invariant as well) for fp8 ones."""
+        if self.fp8_block is None:
+            return rm.linear(x, getattr(self, name)[e])
+        return self._mm(x, name, e)
+
 
 def set_moe_path(model: nn.Module, path: str) -> None:
     """Pick every MoE layer's routed-expert path: ``"reference"`` (exact) or ``"grouped"`` (throughput)."""
@@ -199,7 +235,6 @@ def set_moe_path(model: nn.Module, path: str) -> None:
     for mod in model.modules():
         if isinstance(mod, Experts):
             mod.path = path
-
 
 class MoE(nn.Module):
     """Shared + routed experts. ``x [..., hidden] -> [..., hidden]``."""
@@ -210,9 +245,14 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rm: RowMath | None = None) -> Tensor:
+        """``rm`` (prefill, ``x [N, hidden]``): its row-mixing matmuls; a batch-invariant one also
+        computes each token's experts on their own (:meth:`Experts.forward_rows`)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, experts = self.gate(flat)
-        routed = self.experts(flat, weights, experts).view(shape)
-        return routed + self.shared_experts(x)
+        weights, experts = self.gate(flat, rm)
+        if rm is not None and rm.batch_invariant:
+            routed = self.experts.forward_rows(flat, weights, experts, rm).view(shape)
+        else:
+            routed = self.experts(flat, weights, experts).view(shape)
+        return routed + self.shared_experts(x, rm)

@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hisparse_ray.model.attention import PREFILL_SCORE_ELEMENTS, MLAAttention
+from hisparse_ray.model.attention import MLAAttention
 from hisparse_ray.model.cache import AttentionKVCache, IndexerKeyCache
 from hisparse_ray.model.config import DSAConfig, tiny_config
 from hisparse_ray.model.layers import MLP, MoE, RMSNorm
+from hisparse_ray.model.plan import DEFAULT_PREFILL_CHUNK_BYTES, PrefillPlan
 from hisparse_ray.model.rope import Rope
+from hisparse_ray.model.rowmath import RowMath
 
 TopkHook = Callable[[int, Tensor], "Tensor | None"]
 
@@ -58,8 +60,10 @@ class DSAModel(nn.Module):
         self.model = DSABody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = Rope(cfg)
-        # Prefill's dense score block per query chunk is kept under this many elements (memory knob).
-        self.prefill_score_elements = PREFILL_SCORE_ELEMENTS
+        # Prefill (see prefill): bytes of temporaries per chunk (memory knob), and whether its
+        # matmuls go one token row at a time (the exact path; False = batched, for throughput).
+        self.prefill_chunk_bytes = DEFAULT_PREFILL_CHUNK_BYTES
+        self.batch_invariant = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -93,28 +97,58 @@ class DSAModel(nn.Module):
 
     @torch.no_grad()
     def prefill(
-        self, tokens: Tensor, topk_hook: TopkHook | None = None
+        self, tokens: Tensor, topk_hook: TopkHook | None = None, *, all_logits: bool = False,
+        batch_invariant: bool | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One request's prompt ``tokens [T]`` int64 (positions 0..T-1) ->
-        ``(logits [T, V] fp32, kv_rows [L, T, row_dim], index_keys [L, T, index_head_dim])`` in the model
-        dtype. ``index_keys`` rows of shared (GLM) layers are zero. ``topk_hook(layer, topk [T, K])``
-        sees each anchor layer's causal selection (-1 padded) and may return a replacement."""
+        ``(logits fp32, kv_rows [L, T, row_dim], index_keys [L, T, index_head_dim])`` in the model dtype;
+        ``logits`` is ``[1, V]`` for position ``T-1``, or ``[T, V]`` with ``all_logits``. ``index_keys``
+        rows of shared (GLM) layers are zero. ``topk_hook(layer, topk [T, K])`` sees each anchor layer's
+        causal selection (-1 padded) and may return a replacement.
+
+        Memory is bounded by ``prefill_chunk_bytes`` per chunk plus ``O(T)`` (see
+        :class:`~hisparse_ray.model.plan.PrefillPlan`), never ``T * T``. ``batch_invariant`` (default
+        :attr:`batch_invariant`): every row-mixing matmul one token row at a time
+        (:class:`~hisparse_ray.model.rowmath.RowMath`), so position ``p``'s rows, keys and logits are
+        bitwise what decoding the prompt token by token computes, whatever ``T`` and the chunks.
+        Off the CPU that path runs one position per chunk (see the code), so it is slow: it is the
+        exact reference for tests and tiny models, not the way to prefill a real model.
+        """
         cfg = self.cfg
         T = tokens.shape[0]
+        rm = RowMath(self.batch_invariant if batch_invariant is None else batch_invariant)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        heads = self.model.layers[0].self_attn.heads if cfg.num_hidden_layers else cfg.num_attention_heads
+        plan = PrefillPlan.of(cfg, heads, T, self.prefill_chunk_bytes, elem)
+        if rm.batch_invariant and self.device.type != "cpu":
+            # Off the CPU, batched GEMMs and reductions are not shown batch-invariant: one position
+            # per chunk runs every operation in the shape the decode step of that position runs it.
+            plan = PrefillPlan(1, 1, 1)
         positions = torch.arange(T, device=self.device)
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        if rm.batch_invariant:  # cos/sin are transcendental: per position, as decode makes them
+            cs = [self.rope.cos_sin(p, self.dtype) for p in positions.split(1)]
+            cos, sin = torch.cat([c for c, _ in cs]), torch.cat([s for _, s in cs])
+        else:
+            cos, sin = self.rope.cos_sin(positions, self.dtype)
         h = self.model.embed_tokens(tokens.to(self.device))
         rows = torch.empty(cfg.num_hidden_layers, T, cfg.row_dim, dtype=self.dtype, device=self.device)
         keys = torch.zeros(cfg.num_hidden_layers, T, cfg.index_head_dim, dtype=self.dtype, device=self.device)
         topk = None
+        x = torch.empty_like(h)
         for i, layer in enumerate(self.model.layers):
-            out, topk, rows[i], k = layer.self_attn.prefill(
-                layer.input_layernorm(h), cos, sin, topk, topk_hook, self.prefill_score_elements
-            )
+            for lo in range(0, T, plan.rows):
+                x[lo : lo + plan.rows] = layer.input_layernorm(h[lo : lo + plan.rows])
+            out, topk, rows[i], k = layer.self_attn.prefill(x, cos, sin, topk, topk_hook, plan, rm)
             if k is not None:
                 keys[i] = k
-            h = self._mlp(layer, h + out)
-        logits = self.lm_head(self.model.norm(h)).float()
+            h += out
+            del out
+            for lo in range(0, T, plan.rows):
+                part = h[lo : lo + plan.rows]
+                part += layer.mlp(layer.post_attention_layernorm(part), rm)
+        last = h if all_logits else h[-1:]
+        logits = torch.cat([rm.linear(self.model.norm(last[lo : lo + plan.rows]), self.lm_head.weight,
+                                      self.lm_head.bias).float() for lo in range(0, last.shape[0], plan.rows)])
         return logits, rows, keys
 
     @torch.no_grad()

@@ -2,9 +2,7 @@
 in-process loopback for unit tests. See ``base`` for the contract."""
 
 from hisparse_ray.transfer.base import (
-    MemKind,
     PreparedWrite,
-    RegionDesc,
     TransferEngine,
     WriteSegment,
     XferState,
@@ -17,6 +15,7 @@ from hisparse_ray.transfer.base import (
 )
 from hisparse_ray.transfer.loopback import LoopbackFabric, LoopbackTransferEngine
 from hisparse_ray.transfer.nixl_engine import NixlTransferEngine
+from hisparse_ray.types import MemKind, RegionDesc  # the regions a peer names (wire values)
 
 __all__ = [
     "LoopbackFabric",

@@ -1,25 +1,20 @@
 """The transfer-engine contract: registered regions, WRITE posts, states, notifications (adapter ring).
 
 Everything here is plain data or a ``Protocol``; the NIXL adapter and the in-process loopback both
-satisfy it, so code above (landing, spill) takes a ``TransferEngine`` and never imports NIXL.
+satisfy it, so code above (landing, spill) takes a ``TransferEngine`` and never imports NIXL. The
+regions a peer names (``RegionDesc``, ``MemKind``) are wire values and live in
+:mod:`hisparse_ray.types`.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from hisparse_ray.errors import TransferError, TransferTimeoutError
-
-
-class MemKind(enum.Enum):
-    """Where a registered region lives; the values are NIXL's memory-segment names."""
-
-    HOST = "DRAM"
-    DEVICE = "VRAM"
+from hisparse_ray.types import MemKind, RegionDesc
 
 
 class XferState(enum.Enum):
@@ -27,83 +22,6 @@ class XferState(enum.Enum):
 
     PENDING = "PROC"
     DONE = "DONE"
-
-
-@dataclass(frozen=True, slots=True)
-class RegionDesc:
-    """A registered memory region, as its owner describes it to peers (picklable, plain ints).
-
-    agent: owning engine's agent name. name: the owner's label, unique per engine.
-    addr/nbytes: virtual address and byte length in the owner's process. device_id: CUDA device
-    ordinal for DEVICE, 0 for HOST. Offsets into a region are byte offsets in ``[0, nbytes)``.
-    """
-
-    agent: str
-    name: str
-    addr: int
-    nbytes: int
-    device_id: int
-    kind: MemKind
-
-    def __reduce__(self):
-        # plain values, rebuilt through a cache: a landing order names the same few hundred
-        # regions every time, and the dataclass's own pickling (per-field setstate + the enum)
-        # cost ~3 us per region, ~1 ms per 16K-token order on its critical path
-        return _region, (self.agent, self.name, self.addr, self.nbytes, self.device_id,
-                         self.kind.value)
-
-    def check_span(self, offset: int, nbytes: int) -> None:
-        """Raise ``TransferError`` unless ``[offset, offset + nbytes)`` lies inside the region."""
-        if nbytes <= 0 or offset < 0 or offset + nbytes > self.nbytes:
-            raise TransferError(
-                f"span [{offset}, {offset + nbytes}) outside region {self.agent}/{self.name} "
-                f"of {self.nbytes} bytes"
-            )
-
-
-@functools.lru_cache(maxsize=16384)
-def _region(agent: str, name: str, addr: int, nbytes: int, device_id: int, kind: str) -> RegionDesc:
-    """Unpickling of a :class:`RegionDesc` (frozen, so one shared instance per value is safe)."""
-    return RegionDesc(agent, name, addr, nbytes, device_id, MemKind(kind))
-
-
-_COLUMNS: dict[int, tuple[tuple, tuple]] = {}  # id(regions) -> (regions, columns)
-
-
-def region_columns(regions: tuple[RegionDesc, ...]) -> tuple:
-    """A tuple of regions as plain columns for pickling, ``(agent, kind, device, names, addrs,
-    sizes)`` when they share agent, kind and device (an endpoint's per-layer regions), else the
-    tuple itself. Memoized per tuple object: a landing order names the same endpoint tuples every
-    time (pickling 61 regions one by one took ~250 us per order on the dev VM)."""
-    hit = _COLUMNS.get(id(regions))
-    if hit is not None and hit[0] is regions:
-        return hit[1]
-    if not regions or type(regions) is not tuple:
-        return regions
-    r0 = regions[0]
-    if any(type(r) is not RegionDesc or r.agent != r0.agent or r.kind is not r0.kind
-           or r.device_id != r0.device_id for r in regions):
-        return regions
-    cols = (r0.agent, r0.kind.value, r0.device_id, tuple(r.name for r in regions),
-            tuple(r.addr for r in regions), tuple(r.nbytes for r in regions))
-    if len(_COLUMNS) > 1024:
-        _COLUMNS.clear()
-    _COLUMNS[id(regions)] = (regions, cols)  # holds ``regions``: its id stays unique
-    return cols
-
-
-def regions_from_columns(cols: tuple) -> tuple[RegionDesc, ...]:
-    """The inverse of :func:`region_columns`; equal columns give the very same tuple."""
-    if not cols or isinstance(cols[0], RegionDesc):
-        return cols
-    return _regions(cols)
-
-
-@functools.lru_cache(maxsize=1024)
-def _regions(cols: tuple) -> tuple[RegionDesc, ...]:
-    agent, kind, device, names, addrs, sizes = cols
-    n = len(names)
-    return tuple(map(_region, (agent,) * n, names, addrs, sizes, (device,) * n, (kind,) * n))
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ import threading
 from typing import Any, Sequence
 
 from hisparse_ray.errors import TransferError
-from hisparse_ray.transfer.base import MemKind, RegionDesc, WriteSegment, XferState, registered
+from hisparse_ray.transfer.base import WriteSegment, XferState, registered
+from hisparse_ray.types import MemKind, RegionDesc
 
 
 class LoopbackFabric:

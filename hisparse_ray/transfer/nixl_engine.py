@@ -19,9 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from hisparse_ray.errors import TransferError
-from hisparse_ray.transfer.base import (
-    MemKind, PreparedWrite, RegionDesc, WriteSegment, XferState, coalesce, registered,
-)
+from hisparse_ray.transfer.base import PreparedWrite, WriteSegment, XferState, coalesce, registered
+from hisparse_ray.types import MemKind, RegionDesc
 
 
 def _default_name() -> str:

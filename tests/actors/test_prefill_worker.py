@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from hisparse_ray.actors.landing import LandingDest, LandingOrder
 from hisparse_ray.actors.prefill_worker import PrefillWorker
-from hisparse_ray.actors.spec import PrefillSpec
+from hisparse_ray.deploy import PrefillSpec
 from hisparse_ray.errors import CapacityError, StateError, TransferError
 from hisparse_ray.transfer import NixlTransferEngine
+from hisparse_ray.types import LandingDest, LandingOrder
 
 pytestmark = [pytest.mark.nixl]
 
@@ -118,3 +118,18 @@ def test_keys_travel_with_the_kv_and_synthetic_prefill_fills_both_buffers():
         pw.shutdown()
         syn.shutdown()
         target.close()
+
+
+def test_batched_prefill_knob_fills_the_batched_rows():
+    """``PrefillSpec.batch_invariant=False`` (benchmarks, real-size models) fills the send buffer
+    with the batched prefill's rows: within fp32 rounding of the exact ones, not always bitwise."""
+    fast = PrefillWorker(PrefillSpec(max_prompt_tokens=64, name="batched", batch_invariant=False))
+    try:
+        tokens = list(range(1, 50))
+        fast.prefill("f", tokens)
+        got = fast.send[:, :49].view(fast.model.dtype).view(fast.num_layers, 49, -1)
+        ids = torch.tensor(tokens)
+        assert torch.equal(got, fast.model.prefill(ids, batch_invariant=False)[1])
+        torch.testing.assert_close(got, fast.model.prefill(ids)[1], atol=1e-5, rtol=0)
+    finally:
+        fast.shutdown()

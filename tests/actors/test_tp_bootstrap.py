@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from hisparse_ray.actors import launch
-from hisparse_ray.actors.spec import ReplicaSpec
+from hisparse_ray.deploy import ReplicaSpec
 
 pytestmark = [pytest.mark.ray]
 

@@ -13,9 +13,9 @@ from hypothesis.stateful import (
 
 from hisparse_ray.core import CoordinatorConfig, DeviceBlockPool, HostBlockPool
 from hisparse_ray.core.free_blocks import FreeBlocks
-from hisparse_ray.core.random_driver import RandomDriver
-from hisparse_ray.core.reference_worker import ReferenceWorker
 from hisparse_ray.core.request import TransferOp
+from hisparse_ray.testing.random_driver import RandomDriver
+from hisparse_ray.testing.reference_worker import ReferenceWorker
 from hisparse_ray.types import NO_BLOCK, LandingTarget
 
 FAST = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))

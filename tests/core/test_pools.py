@@ -4,12 +4,11 @@ import pickle
 
 import pytest
 
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.core import (
     HOT_GROUP, SOURCE_GROUP, DeviceBlockPool, HostBlockPool, PrefixIndex, chain_keys,
     device_pool_id, page_key,
 )
-from hisparse_ray.core.config import CoordinatorConfig
-from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.errors import ConfigError, DoubleFreeError, StateError
 
 

@@ -12,8 +12,8 @@ from hypothesis.stateful import (
 )
 
 from hisparse_ray.core import CoordinatorConfig, DeviceBlockPool, HostBlockPool
-from hisparse_ray.core.random_driver import RandomDriver
 from hisparse_ray.errors import DoubleFreeError, StateError
+from hisparse_ray.testing.random_driver import RandomDriver
 
 FAST = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 

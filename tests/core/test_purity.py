@@ -1,4 +1,5 @@
-"""The pure core imports only the standard library (and the pure wire/config/error modules)."""
+"""The pure core and the landing plan import only the standard library (and the pure
+wire/config/error modules)."""
 
 import json
 import subprocess
@@ -10,7 +11,8 @@ FORBIDDEN = ("torch", "ray", "cupy", "nixl", "numpy")
 def test_core_imports_no_heavy_packages():
     code = (
         "import sys, json\n"
-        "import hisparse_ray.core, hisparse_ray.core.random_driver, hisparse_ray.types\n"
+        "import hisparse_ray.core, hisparse_ray.core.records, hisparse_ray.testing.random_driver\n"
+        "import hisparse_ray.types, hisparse_ray.landing.plan, hisparse_ray.landing.staging\n"
         f"print(json.dumps(sorted(m for m in {FORBIDDEN!r} if m in sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

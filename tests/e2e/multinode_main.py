@@ -13,8 +13,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from hisparse_ray.actors import launch
-from hisparse_ray.actors.reference import full_resident_tokens
-from hisparse_ray.actors.spec import PrefillSpec, ReplicaSpec
+from hisparse_ray.deploy import PrefillSpec, ReplicaSpec
+from hisparse_ray.testing.full_resident import full_resident_tokens
 
 
 def main() -> int:

@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from hisparse_ray.actors import launch
-from hisparse_ray.actors.reference import full_resident_tokens
-from hisparse_ray.actors.spec import ModelSpec, PrefillSpec, ReplicaSpec
+from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
+from hisparse_ray.testing.full_resident import full_resident_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 

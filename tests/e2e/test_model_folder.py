@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from hisparse_ray.actors.spec import ModelSpec
+from hisparse_ray.deploy import ModelSpec
 from hisparse_ray.engine import EngineConfig, generate
 from hisparse_ray.model.model import build_random_model
 from tests.model._checkpoint import CORPUS, checkpoint_config, write_released

@@ -41,9 +41,9 @@ def app(ray_cluster):
 
 
 def _specs():
-    from hisparse_ray.serve import DEFAULTS, _specs
+    from hisparse_ray.deploy import DeployOptions
 
-    return _specs({**DEFAULTS, **OPTIONS})
+    return DeployOptions.from_dict(OPTIONS).specs()
 
 
 def _post(url: str, body) -> tuple[int, dict]:
@@ -70,8 +70,8 @@ def _settled(handle, deadline_s: float = 120.0) -> dict:
 
 
 def test_concurrent_handle_requests_match_full_resident_decode(app):
-    from hisparse_ray.actors.reference import full_resident_tokens
-    from hisparse_ray.cli import ByteTokenizer
+    from hisparse_ray.deploy import ByteTokenizer
+    from hisparse_ray.testing.full_resident import full_resident_tokens
 
     handle, _ = app
     rng = random.Random(7)
@@ -131,7 +131,7 @@ def test_streams_concatenate_to_the_full_answer_over_handle_and_http(app):
     """Streamed chunks (handle generator and HTTP JSON lines) concatenate to the tokens the
     unstreamed call returns, which equal full-resident decode; a long answer arrives in more
     than one chunk; a stream abandoned half way is aborted and frees its blocks."""
-    from hisparse_ray.actors.reference import full_resident_tokens
+    from hisparse_ray.testing.full_resident import full_resident_tokens
 
     handle, url = app
     rng = random.Random(13)
@@ -248,7 +248,7 @@ def test_random_mix_of_served_cancelled_and_timed_out_requests(app):
     lengths, a third cancelled after a random delay, some with a timeout that may or may not
     fire. Every request that answers gives full-resident decode's tokens; afterwards nothing is
     in flight, no block is leased, no record is left."""
-    from hisparse_ray.actors.reference import full_resident_tokens
+    from hisparse_ray.testing.full_resident import full_resident_tokens
 
     handle, _ = app
     rng = random.Random(2026)
@@ -314,7 +314,7 @@ def test_a_lost_rank_fails_its_requests_and_serve_replaces_the_replica(app):
             time.sleep(1)
     new = handle.actors.remote().result()
     assert new["coordinator"] != old["coordinator"]
-    from hisparse_ray.actors.reference import full_resident_tokens
+    from hisparse_ray.testing.full_resident import full_resident_tokens
 
     assert out["tokens"] == full_resident_tokens(_specs()[0].model, [prompt], 3, ["x"])["x"]
     end = time.monotonic() + 120

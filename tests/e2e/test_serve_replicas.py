@@ -16,8 +16,9 @@ serve = pytest.importorskip("ray.serve")
 
 
 def test_two_serve_replicas_each_own_a_deployment_and_both_serve_exactly(ray_cluster):
-    from hisparse_ray.actors.reference import full_resident_tokens
-    from hisparse_ray.serve import DEFAULTS, _specs, build_app
+    from hisparse_ray.deploy import DeployOptions
+    from hisparse_ray.serve import build_app
+    from hisparse_ray.testing.full_resident import full_resident_tokens
 
     options = {"tp": 1, "device_blocks": 12, "num_replicas": 2}
     serve.start(proxy_location="Disabled",
@@ -32,7 +33,7 @@ def test_two_serve_replicas_each_own_a_deployment_and_both_serve_exactly(ray_clu
                 [handle.generate.remote(ids=p, max_new_tokens=4) for p in prompts]]
         front_ends = {o["request_id"].rsplit("-", 1)[0] for o in outs}
         assert len(front_ends) == 2, f"16 concurrent requests all went to {front_ends}"
-        model = _specs({**DEFAULTS, **options})[0].model
+        model = DeployOptions.from_dict(options).specs()[0].model
         expected = full_resident_tokens(model, prompts, 4, [str(i) for i in range(16)])
         for i, out in enumerate(outs):
             assert out["tokens"] == expected[str(i)]

@@ -9,8 +9,8 @@ import torch
 
 from hisparse_ray.engine import Engine, EngineConfig
 from hisparse_ray.model.model import build_tiny_model
+from hisparse_ray.rank.executor import SamplingParams
 from hisparse_ray.types import RequestState
-from hisparse_ray.worker import SamplingParams
 
 H = 16  # EngineConfig's default device_buffer_size (top_k 8, page 8)
 

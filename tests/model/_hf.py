@@ -116,7 +116,7 @@ class Session:
                 ref = self.hf(input_ids=p[None].to(self.model.device), past_key_values=cache, use_cache=True).logits[0]
             q = torch.arange(len(p), device=self.model.device)
             per_layer = {i: hf_to_ours(c[-1][0], K, query_pos=q) for i, c in self.tap.calls.items()}
-            logits, rows, keys = self.model.prefill(p, topk_hook=self._hook_from_hf(per_layer))
+            logits, rows, keys = self.model.prefill(p, topk_hook=self._hook_from_hf(per_layer), all_logits=True)
             self.kv.load(b, rows)
             self.index_caches.append(IndexerKeyCache.from_prefill(keys, self.capacity))
             self.hf_caches.append(cache)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from hisparse_ray.errors import CapacityError, StateError
 from hisparse_ray.model import AttentionKVCache, DenseKVCache, IndexerKeyCache, build_tiny_model
+from hisparse_ray.model.plan import PrefillPlan
 
 
 def test_dense_cache_is_an_attention_kv_cache():
@@ -84,7 +85,7 @@ def test_decode_continues_prefill_exactly(kind):
     model = build_tiny_model(seed=6, kind=kind)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen) for n in (30, 21)]
-    full = [model.prefill(s)[0] for s in seqs]
+    full = [model.prefill(s, all_logits=True)[0] for s in seqs]
     cache = DenseKVCache(model.cfg.num_hidden_layers, model.cfg.row_dim, 2, 40)
     icaches = []
     for b, s in enumerate(seqs):
@@ -100,10 +101,22 @@ def test_decode_continues_prefill_exactly(kind):
 
 
 def test_prefill_query_chunking_changes_nothing():
+    """Chunks of 5 and more queries and rows (not dividing 37), and of 1: bitwise equal on the
+    batch-invariant path, within fp32 rounding on the batched one (matmul blocking rounds differently)."""
     model = build_tiny_model(seed=6, kind="glm_moe_dsa")
-    toks = torch.randint(0, model.cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(2))
-    whole = model.prefill(toks)
-    model.prefill_score_elements = 5 * model.cfg.num_attention_heads * 37  # chunks of 5 queries
-    chunked = model.prefill(toks)
-    for a, b in zip(whole, chunked):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # matmul blocking rounds differently
+    T = 37
+    toks = torch.randint(0, model.cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(2))
+    five = 5 * max(PrefillPlan.item_bytes(model.cfg, model.cfg.num_attention_heads, T, 4))
+    plan = PrefillPlan.of(model.cfg, model.cfg.num_attention_heads, T, five, 4)
+    assert all(5 <= c < T and T % c for c in (plan.rows, plan.index_queries, plan.attn_queries)), plan
+    for exact in (True, False):
+        model.prefill_chunk_bytes = 1 << 30
+        whole = model.prefill(toks, all_logits=True, batch_invariant=exact)
+        for budget in (five, 1):
+            model.prefill_chunk_bytes = budget
+            chunked = model.prefill(toks, all_logits=True, batch_invariant=exact)
+            for a, b in zip(whole, chunked):
+                if exact:
+                    assert torch.equal(a, b)
+                else:
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -40,7 +40,7 @@ def _run(model, trace: dict | None):
     kv = DenseKVCache(cfg.num_hidden_layers, cfg.row_dim, len(prompts), max(PROMPTS) + STEPS)
     caches, outs, last = [], [], []
     for b, p in enumerate(prompts):
-        logits, rows, keys = model.prefill(p, topk_hook=hook)
+        logits, rows, keys = model.prefill(p, topk_hook=hook, all_logits=True)
         counter["call"] += 1
         kv.load(b, rows)
         caches.append(IndexerKeyCache.from_prefill(keys, max(PROMPTS) + STEPS))

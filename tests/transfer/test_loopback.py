@@ -178,7 +178,7 @@ def test_region_desc_pickles_by_value_and_unpickles_to_one_shared_instance():
 
 def test_region_columns_round_trip_and_fall_back_for_mixed_regions():
     from hisparse_ray.transfer import MemKind, RegionDesc
-    from hisparse_ray.transfer.base import region_columns, regions_from_columns
+    from hisparse_ray.types import region_columns, regions_from_columns
 
     layers = tuple(RegionDesc("rank0", f"staging.{l}", 4096 * (l + 1), 4096, 0, MemKind.DEVICE)
                    for l in range(5))

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from hisparse_ray.channel import pid_alive
+from hisparse_ray.channel.ring import pid_alive
 from hisparse_ray.errors import TransferError
 from hisparse_ray.transfer import (
     NixlTransferEngine, RegionDesc, WriteSegment, discard_prepared, prepare_writes,

@@ -1,0 +1,470 @@
+"""Deployment options and the specs built from them (front door, ring 3): one frozen
+:class:`DeployOptions` with every option of a deployment and its one default, built once from CLI
+flags (``hisparse-ray``), Serve options (``build_app``) or Python, and validated before Ray starts;
+then the frozen, picklable specs the launcher hands to every actor (:class:`ModelSpec`,
+:class:`ReplicaSpec`, :class:`PrefillSpec`), so that all of them derive the same model, layout and
+pool sizes. The specs' defaults are the options' defaults.
+
+    opts = DeployOptions(tp=2, device_blocks=12)            # or DeployOptions.from_dict({...})
+    replica_spec, prefill_spec = opts.specs()                 # resolves "auto" device / GPUs
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
+from hisparse_ray.errors import ConfigError
+
+#: ``landing_push_with_prefill`` values
+PUSH_WITH_PREFILL = ("auto", "always", "never")
+#: option groups: the CLI's ``demo`` and ``generate`` take the first four, ``serve`` all
+GROUPS = ("model", "replica", "prefill", "request", "serve")
+
+
+def _opt(default: Any, help: str, group: str, *, kind: str = "", choices: tuple = (),
+         factory: Any = None) -> Any:
+    """A ``DeployOptions`` field: its default, help text (the CLI's), group and value kind
+    ("int", "float", "str", "float?" (or None), "dict?" (resource dict or None), "config")."""
+    kind = kind or {int: "int", float: "float", str: "str"}[type(default)]
+    meta = {"help": help, "group": group, "kind": kind, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, slots=True)
+class DeployOptions:
+    """Every option of a deployment (one decode replica + one prefill worker, per Serve replica
+    when served), with the one set of defaults. Invalid values raise :class:`ConfigError` naming
+    the option, the value and the rule, at construction: a replica whose pools cannot hold one
+    hot buffer or one host block is refused here, before anything starts. ``specs()`` resolves
+    the device ("auto": a GPU when one is visible) into the specs the launcher takes."""
+
+    # -- the model every actor builds
+    model: str = _opt("deepseek_v32", "a built-in kind (deepseek_v32, glm_moe_dsa: tiny, random "
+                      "weights) or a local HF model folder (config.json, safetensors shards, "
+                      "tokenizer; DeepSeek-V3.2 / GLM-5, fp8 block-quantized included)", "model")
+    seed: int = _opt(0, "model weights seed (identical on every actor)", "model")
+    dtype: str = _opt("float32", "model and KV dtype (float32 keeps greedy choices robust to "
+                      "batching differences in the exactness checks)", "model",
+                      choices=("float32", "bfloat16"))
+    model_shape: str = _opt("tiny", "tiny: 4 layers of 48-value rows; landing: DeepSeek-V3.2's KV "
+                            "bytes per token around a tiny network (benchmarks)", "model",
+                            choices=("tiny", "landing"))
+    model_layers: int = _opt(61, "layers of the 'landing' shape", "model")
+    fp8: str = _opt("auto", "fp8 checkpoints: fp8 GEMMs on sm90 GPUs (auto, kernel) or "
+                    "dequantized at load (dequantize; always on CPUs)", "model",
+                    choices=("auto", "kernel", "dequantize"))
+    # -- one decode replica
+    config: HiSparseConfig = _opt(None, "HiSparse config: a JSON file or inline JSON (SGLang "
+                                  "--hisparse-config keys + host_pool_gib); default: top-k 8 of a "
+                                  "16-slot hot buffer, 10 MiB host pool", "replica", kind="config",
+                                  factory=HiSparseConfig.tiny)
+    tp: int = _opt(2, "decode tensor-parallel ranks", "replica")
+    page_size: int = _opt(8, "positions per page / host block", "replica")
+    device_blocks: int = _opt(16, "device pool blocks per rank (small: long contexts land on the "
+                              "host tier)", "replica")
+    staging_blocks: int = _opt(16, "rank 0's GPU staging pool for host landings, in blocks (0: "
+                               "none); room for two prompts lets a landing WRITE in its "
+                               "prefill's call", "replica")
+    max_batch: int = _opt(16, "most requests per decode step", "replica")
+    device: str = _opt("auto", "auto: a GPU when one is visible", "replica",
+                       choices=("auto", "cpu", "gpu"))
+    gpus_per_rank: float | None = _opt(None, "GPU share of each decode rank: 1 = a GPU per rank "
+                                       "(NCCL TP group), 0.5 = two ranks on one GPU (gloo); "
+                                       "default: 1 if the node has tp GPUs, else 1/tp", "replica",
+                                       kind="float?")
+    cpus_per_rank: float = _opt(0.5, "CPUs Ray reserves per decode rank", "replica")
+    step_timeout_s: float = _opt(60.0, "how long the coordinator waits for a rank's step report "
+                                 "before it declares the rank lost", "replica")
+    step_yield_s: float | None = _opt(None, "how long a step-channel waiter yields its core "
+                                      "before it blocks on a futex; default: 20 ms on hosts with "
+                                      ">= 8 cores, else 1 ms", "replica", kind="float?")
+    landing_attempts: int = _opt(3, "NIXL WRITE attempts per landing chunk", "replica")
+    landing_timeout_s: float = _opt(20.0, "deadline of one landing WRITE attempt", "replica")
+    landing_call_timeout_s: float = _opt(120.0, "how much longer than attempts x timeout a "
+                                         "landing's calls may run before the replica is fenced "
+                                         "(a stalled peer may still write)", "replica")
+    landing_layer_groups: int = _opt(1, "a staged landing chunk is written as this many layer "
+                                     "groups, rank 0 copying group g while later ones are in "
+                                     "flight", "replica")
+    landing_push_with_prefill: str = _opt("auto", "a one-chunk landing WRITEs in its prefill's "
+                                          "call: auto = while the staging pool keeps room for "
+                                          "another landing, always, never", "replica",
+                                          choices=PUSH_WITH_PREFILL)
+    replica_id: str = _opt("r0", "names the replica's host pool and placement group", "replica")
+    # -- one prefill worker
+    max_prompt_tokens: int = _opt(4096, "prefill send buffer: the longest prompt", "prefill")
+    prefill_gpus: float = _opt(0.0, "GPU share of the prefill worker", "prefill")
+    prefill_cpus: float = _opt(0.5, "CPUs Ray reserves for the prefill worker", "prefill")
+    # -- requests and Ray Serve
+    max_new_tokens: int = _opt(16, "new tokens per request unless it asks", "request")
+    max_new_tokens_limit: int = _opt(4096, "the most new tokens a request may ask for", "serve")
+    request_timeout_s: float = _opt(600.0, "a request still running after this is aborted "
+                                    "(HTTP 504)", "serve")
+    num_replicas: int = _opt(1, "Serve replicas, each with its own prefill worker and decode "
+                             "replica", "serve")
+    max_ongoing_requests: int = _opt(64, "requests one Serve replica takes at once", "serve")
+    health_check_period_s: float = _opt(10.0, "how soon Serve notices a failed replica and "
+                                        "replaces it", "serve")
+    decode_resources: dict | None = _opt(None, "pin the decode replica to nodes offering these "
+                                         "custom resources (JSON, e.g. {\"decode_node\": 0.01})",
+                                         "serve", kind="dict?")
+    prefill_resources: dict | None = _opt(None, "pin the prefill worker likewise", "serve",
+                                          kind="dict?")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_kind(f.name, getattr(self, f.name), f.metadata)
+        for key in ("tp", "page_size", "device_blocks", "max_batch", "model_layers",
+                    "landing_attempts", "landing_layer_groups", "max_prompt_tokens",
+                    "max_new_tokens", "max_new_tokens_limit", "num_replicas",
+                    "max_ongoing_requests"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, getattr(self, key), "an int >= 1")
+        if self.staging_blocks < 0:
+            raise ConfigError("staging_blocks", self.staging_blocks, "an int >= 0")
+        for key in ("step_timeout_s", "landing_timeout_s", "landing_call_timeout_s",
+                    "request_timeout_s", "health_check_period_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, getattr(self, key), "seconds > 0")
+        for key in ("cpus_per_rank", "prefill_gpus", "prefill_cpus"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, getattr(self, key), "a resource amount >= 0")
+        if self.gpus_per_rank is not None and not 0 < self.gpus_per_rank <= 1:
+            raise ConfigError("gpus_per_rank", self.gpus_per_rank, "in (0, 1] or None")
+        if self.max_new_tokens > self.max_new_tokens_limit:
+            raise ConfigError("max_new_tokens", self.max_new_tokens,
+                              f"<= max_new_tokens_limit ({self.max_new_tokens_limit})")
+        self._specs(0.0)  # every spec rule and the pool sizing, device aside
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "DeployOptions":
+        """Options from a mapping of option names (Serve's ``build_app`` options, the CLI's flags):
+        strings are parsed by each option's kind (``serve run module:app tp=2`` passes strings),
+        ``config`` may be a dict, inline JSON or a JSON file path; None means the default. An
+        unknown name raises ConfigError naming it."""
+        known = {f.name: f for f in fields(cls)}
+        out = {}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(key, value, f"a deployment option: one of {sorted(known)}")
+            if value is not None:
+                out[key] = _parse(key, value, known[key].metadata["kind"])
+        return cls(**out)
+
+    def specs(self, gpus: int | None = None) -> tuple["ReplicaSpec", "PrefillSpec"]:
+        """The decode replica and prefill worker these options deploy, on a node with ``gpus``
+        visible GPUs (None: as many as torch sees here; device "cpu" uses none)."""
+        if self.device == "cpu":
+            gpus = 0
+        elif gpus is None:
+            gpus = visible_gpus()
+        if self.device == "gpu" and gpus == 0:
+            raise ConfigError("device", self.device, "needs a visible CUDA device; none is visible")
+        return self._specs(resolve_gpus_per_rank(self.gpus_per_rank, self.tp, gpus))
+
+    def _specs(self, gpus_per_rank: float) -> tuple["ReplicaSpec", "PrefillSpec"]:
+        model = ModelSpec(kind=self.model, seed=self.seed, dtype=self.dtype,
+                          shape=self.model_shape, num_layers=self.model_layers, fp8=self.fp8)
+        replica = ReplicaSpec(
+            model=model, hisparse=self.config, page_size=self.page_size,
+            num_device_blocks=self.device_blocks, staging_blocks=self.staging_blocks,
+            tp_size=self.tp, max_batch=self.max_batch, gpus_per_rank=gpus_per_rank,
+            cpus_per_rank=self.cpus_per_rank, step_timeout_s=self.step_timeout_s,
+            landing_attempts=self.landing_attempts, landing_timeout_s=self.landing_timeout_s,
+            replica_id=self.replica_id, step_yield_s=self.step_yield_s,
+            landing_layer_groups=self.landing_layer_groups,
+            landing_call_timeout_s=self.landing_call_timeout_s,
+            landing_push_with_prefill=self.landing_push_with_prefill)
+        prefill = PrefillSpec(model=model, max_prompt_tokens=self.max_prompt_tokens,
+                              gpus=self.prefill_gpus, cpus=self.prefill_cpus)
+        return replica, prefill
+
+
+def _check_kind(key: str, value: Any, meta: Mapping[str, Any]) -> None:
+    kind, choices = meta["kind"], meta["choices"]
+    if kind == "config":
+        ok = isinstance(value, HiSparseConfig)
+    elif kind == "dict?":
+        ok = value is None or (isinstance(value, dict) and all(
+            isinstance(k, str) and _number(x) and x > 0 for k, x in value.items()))
+    elif kind == "float?":
+        ok = value is None or _number(value)
+    elif kind == "float":
+        ok = _number(value)
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(key, value, {"config": "a HiSparseConfig", "int": "an int",
+                                       "float": "a number", "float?": "a number or None",
+                                       "str": "a str", "dict?": "None or a dict of resource "
+                                       "name -> amount > 0"}[kind])
+    if choices and value not in choices:
+        raise ConfigError(key, value, f"one of {', '.join(choices)}")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _parse(key: str, value: Any, kind: str) -> Any:
+    """``value`` as the option kind wants it when it came as a string (CLI, ``serve run``)."""
+    if kind == "config":
+        return load_config(value)
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if kind == "int":
+            return int(text)
+        if kind in ("float", "float?"):
+            return None if kind == "float?" and text.lower() in ("", "none") else float(text)
+        if kind == "dict?":
+            return None if text.lower() in ("", "none") else json.loads(text)
+    except ValueError:
+        raise ConfigError(key, value, {"int": "an int", "dict?": "JSON of resource name -> "
+                                       "amount"}.get(kind, "a number")) from None
+    return value
+
+
+def load_config(value: Any) -> HiSparseConfig:
+    """A HiSparse config from a ``HiSparseConfig``, a dict, inline JSON or a JSON file path
+    (SGLang ``--hisparse-config`` keys + ``host_pool_gib``); the default (``HiSparseConfig.tiny``)
+    for None or ""."""
+    if isinstance(value, HiSparseConfig):
+        return value
+    if value is None or value == "":
+        return HiSparseConfig.tiny()
+    if isinstance(value, dict):
+        return HiSparseConfig.from_dict(value)
+    if isinstance(value, str) and not value.lstrip().startswith("{") and Path(value).exists():
+        value = Path(value).read_text()
+    return HiSparseConfig.from_json(value)
+
+
+def visible_gpus() -> int:
+    """CUDA devices torch sees in this process (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_gpus_per_rank(asked: float | None, tp: int, gpus: int) -> float:
+    """A decode rank's GPU share: ``asked`` when given, else one GPU per rank when ``gpus`` >=
+    ``tp``, else all ranks on one GPU (1 / tp each); 0 without GPUs. ConfigError when ``asked``
+    needs more GPUs than are visible (above 0.5 no two ranks share a GPU)."""
+    if gpus == 0:
+        return 0.0
+    if asked is None:
+        return 1.0 if gpus >= tp else 1.0 / tp
+    needed = tp if asked > 0.5 else asked * tp
+    if needed > gpus + 1e-9:
+        raise ConfigError("gpus_per_rank", asked, f"with tp={tp} needs {needed:g} GPUs, {gpus} "
+                                                  f"visible")
+    return asked
+
+
+_D = {f.name: f.default for f in fields(DeployOptions)}  # the one set of defaults
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The model every actor of a deployment builds. ``kind``: a built-in DSA kind with random
+    weights from ``seed`` (identical on every actor), or the path of a local HF model folder
+    (config.json, safetensors shards, tokenizer: :func:`hisparse_ray.model.source.resolve`; each
+    rank reads only its slices; stored absolute). ``dtype``: "float32" (CPU, tests) or
+    "bfloat16" (GPU). ``shape`` (built-in kinds): "tiny" (the embedded default, 4 layers of
+    48-value rows) or "landing" (DeepSeek-V3.2's KV bytes per token around a tiny network,
+    ``num_layers`` layers of 576-value rows: for landing and capacity benchmarks). ``fp8`` (fp8
+    folders): "auto" (fp8 GEMMs on sm90, else dequantized at load), "kernel", "dequantize"."""
+
+    kind: str = _D["model"]
+    seed: int = _D["seed"]
+    dtype: str = _D["dtype"]
+    shape: str = _D["model_shape"]
+    num_layers: int = _D["model_layers"]  # "landing" shape only
+    fp8: str = _D["fp8"]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError("dtype", self.dtype, "one of 'float32', 'bfloat16'")
+        if self.fp8 not in ("auto", "kernel", "dequantize"):
+            raise ConfigError("fp8", self.fp8, "one of 'auto', 'kernel', 'dequantize'")
+        src = self.source()  # a bad kind, shape or folder fails here, before anything starts
+        object.__setattr__(self, "kind", src.name)  # a folder as an absolute path
+
+    def source(self):
+        """The resolved :class:`~hisparse_ray.model.source.ModelSource`."""
+        from hisparse_ray.model.source import resolve
+
+        return resolve(self.kind, seed=self.seed, shape=self.shape, num_layers=self.num_layers)
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def dsa_config(self):
+        return self.source().config
+
+    def build(self, device: str = "cpu", *, rank: int = 0, tp_size: int = 1):
+        """Rank ``rank`` of ``tp_size``'s model on ``device`` (the whole model at TP 1; the TP
+        group is the default process group); same weights wherever it is built."""
+        return self.source().load(dtype=self.torch_dtype(), device=device, rank=rank,
+                                  tp_size=tp_size, fp8=self.fp8)
+
+    def kv_layout(self, page_size: int) -> KVLayout:
+        """The KV row layout of this model: ``row_dim`` values of ``dtype`` per (token, layer)."""
+        cfg = self.dsa_config()
+        itemsize = 4 if self.dtype == "float32" else 2
+        return KVLayout(num_layers=cfg.num_hidden_layers, page_size=page_size,
+                        row_bytes=cfg.row_dim * itemsize)
+
+    def tokenizer(self):
+        """A folder's HF tokenizer (None when it has no tokenizer.json), or the built-in kinds'
+        byte tokenizer when the vocabulary is its (96 ids), else None."""
+        src = self.source()
+        if src.is_folder:
+            return src.tokenizer() if (Path(src.name) / "tokenizer.json").is_file() else None
+        tok = src.tokenizer()
+        return tok if int(src.config.vocab_size) == tok.vocab_size else None
+
+
+def __getattr__(name: str):
+    """``deploy.ByteTokenizer``: lives in :mod:`hisparse_ray.model.tokenizer` (imported on use:
+    that package loads torch, which option parsing need not wait for)."""
+    if name == "ByteTokenizer":
+        from hisparse_ray.model.tokenizer import ByteTokenizer
+
+        return ByteTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """One decode replica: a coordinator and ``tp_size`` DecodeWorker ranks on one node. The
+    fields are :class:`DeployOptions`' replica options (``tp_size`` = ``tp``,
+    ``num_device_blocks`` = ``device_blocks``, ``hisparse`` = ``config``; same defaults, meaning
+    in their help), with ``gpus_per_rank`` resolved: 0 on CPU, <= 0.5 ranks may share a GPU (gloo
+    TP group), above 0.5 each rank has its own (NCCL; the ranks still share one host pool).
+    Construction checks the pool sizing the coordinator core will schedule against
+    (``core_config``). ``landing_push_with_prefill`` also takes True / False ("always" /
+    "never")."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
+    page_size: int = _D["page_size"]
+    num_device_blocks: int = _D["device_blocks"]
+    staging_blocks: int = _D["staging_blocks"]
+    tp_size: int = _D["tp"]
+    max_batch: int = _D["max_batch"]
+    gpus_per_rank: float = 0.0
+    cpus_per_rank: float = _D["cpus_per_rank"]
+    step_timeout_s: float = _D["step_timeout_s"]
+    landing_attempts: int = _D["landing_attempts"]
+    landing_timeout_s: float = _D["landing_timeout_s"]
+    replica_id: str = _D["replica_id"]
+    step_yield_s: float | None = _D["step_yield_s"]
+    landing_layer_groups: int = _D["landing_layer_groups"]
+    landing_call_timeout_s: float = _D["landing_call_timeout_s"]
+    landing_push_with_prefill: str = _D["landing_push_with_prefill"]
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError("tp_size", self.tp_size, "must be >= 1")
+        if self.page_size < 1:
+            raise ConfigError("page_size", self.page_size, "must be >= 1")
+        if self.num_device_blocks < 1:
+            raise ConfigError("num_device_blocks", self.num_device_blocks, "must be >= 1")
+        if self.staging_blocks < 0:
+            raise ConfigError("staging_blocks", self.staging_blocks, "must be >= 0")
+        if self.gpus_per_rank < 0 or self.cpus_per_rank < 0:
+            raise ConfigError("gpus_per_rank", self.gpus_per_rank, "resources must be >= 0")
+        if self.landing_attempts < 1:
+            raise ConfigError("landing_attempts", self.landing_attempts, "must be >= 1")
+        if self.landing_call_timeout_s <= 0:
+            raise ConfigError("landing_call_timeout_s", self.landing_call_timeout_s, "must be > 0")
+        if self.landing_layer_groups < 1:
+            raise ConfigError("landing_layer_groups", self.landing_layer_groups, "must be >= 1")
+        pwp = self.landing_push_with_prefill
+        if isinstance(pwp, bool):
+            object.__setattr__(self, "landing_push_with_prefill", "always" if pwp else "never")
+        elif pwp not in PUSH_WITH_PREFILL:
+            raise ConfigError("landing_push_with_prefill", pwp,
+                              f"must be one of {', '.join(PUSH_WITH_PREFILL)} (or a bool)")
+        if self.step_yield_s is not None and self.step_yield_s < 50e-6:
+            raise ConfigError("step_yield_s", self.step_yield_s, "must be >= 50e-6 s or None")
+        self.core_config  # noqa: B018 - the pools must hold one hot buffer and one host block
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.gpus_per_rank > 0
+
+    def wait_policy(self):
+        """The step channels' :class:`~hisparse_ray.channel.ring.WaitPolicy` on this host."""
+        from hisparse_ray.channel.ring import WaitPolicy
+
+        yield_s = self.step_yield_s
+        if yield_s is None:
+            yield_s = 20e-3 if (os.cpu_count() or 1) >= 8 else WaitPolicy().yield_s
+        return WaitPolicy(yield_s=yield_s)
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.use_cuda else "cpu"
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.model.kv_layout(self.page_size)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.core_config.num_host_blocks
+
+    @property
+    def core_config(self) -> CoordinatorConfig:
+        """The pool sizing of this replica's coordinator core (ConfigError if the device pool
+        cannot hold one hot buffer or the host pool one host block)."""
+        return CoordinatorConfig.from_hisparse(self.hisparse, self.layout, self.num_device_blocks,
+                                               tp_size=self.tp_size, max_batch=self.max_batch)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpec:
+    """One prefill worker: the same model, on any node. ``max_prompt_tokens`` sizes its registered
+    send buffer (one prompt's KV, all layers).
+
+    synthetic_kv: BENCHMARKS ONLY. ``prefill`` skips the model and fills the send buffers with
+    seeded normal values of the model dtype (KV rows and indexer keys of the right shapes), so
+    landings of 64K-128K tokens can be timed without minutes of dense prefill per prompt. The
+    landing path is the real one; the tokens decoded afterwards are meaningless.
+
+    batch_invariant: the exact prefill (``DSAModel.prefill``: every position's KV bitwise what
+    decode computes, so reused prefixes stay exact; see docs/architecture.md "Exactness
+    contract"). It computes per token row (on a GPU one position at a time): False batches the
+    prefill's matmuls, for benchmarks and real-size models (rows then differ in the last bits)."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    max_prompt_tokens: int = _D["max_prompt_tokens"]
+    gpus: float = _D["prefill_gpus"]
+    cpus: float = _D["prefill_cpus"]
+    name: str = "prefill0"
+    synthetic_kv: bool = False
+    batch_invariant: bool = True
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.gpus > 0
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.use_cuda else "cpu"

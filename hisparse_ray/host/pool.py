@@ -1,0 +1,393 @@
+"""The pinned host pool (adapter ring): one named ``/dev/shm`` segment per decode replica, created by
+TP rank 0 and mapped by its peers, registered with ``cudaHostRegister`` on GPU machines.
+
+Segment layout: a 4 KiB header page, then for layer l in range(num_layers) a region of
+``layer_stride`` bytes (``num_blocks * page_size * row_bytes`` rounded up to 4 KiB) whose first
+``num_blocks * page_size`` rows of ``row_bytes`` form the layer view. Host block b holds rows
+``[b * page_size, (b + 1) * page_size)`` of every layer.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from hisparse_ray.config import GIB, KVLayout
+from hisparse_ray.errors import HostPoolError
+from hisparse_ray.host.segment import (  # noqa: F401  (re-exported: the pool's public surface)
+    CREATING, DEFAULT_PREFIX, EVENT_OFFSET, EVENT_SLOT, HEADER_BYTES, HEADER_STRUCT, MAGIC,
+    MAX_POOL_FRACTION, MAX_REGISTER_BYTES, READY, REGISTER_FLAGS, SEQ_OFFSET, SHM_DIR, STATE_OFFSET,
+    VERSION, HostSharing, cleanup_stale, layer_stride, list_segments, mem_available_bytes,
+    physical_pool_bytes, pool_bytes, prefault, proc_stat, read_header, register_chunks,
+    unlink_quiet,
+)
+from hisparse_ray.host.sync import IpcEventRing, Publication, SharedCounter, spin_until
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()
+
+
+class _CudaArray:
+    """Minimal ``__cuda_array_interface__`` so torch can alias registered host memory via UVA."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+        }
+
+
+class HostPool:
+    """A mapped host pool segment; build it with :meth:`create` (rank 0) or :meth:`attach` (peers).
+
+    Lifecycle: created (owner: header CREATING -> READY, pre-faulted, registered) -> mapped by peers
+    -> peers ``close()`` -> owner ``destroy()`` (unregister + unlink). Views handed out by
+    :meth:`layer` keep the mapping alive after close (plain, unpinned memory then); CUDA aliases
+    from :meth:`device_layer` / :meth:`device_stacked` are valid only until close.
+
+    Write/publish protocol: the owner writes pages (``begin_write()`` first when peers may read
+    concurrently on the CPU), then ``publish()``; a peer calls ``wait_published(seq)`` before it
+    reads pages of that batch. Header counter: ``2 * seq`` when idle, odd while a CPU write is in
+    progress (seqlock: ``read_begin()`` / ``read_valid()`` around a CPU copy detect a torn read).
+    On CUDA pools publish also records an IPC event on the writer's stream and peers' streams wait
+    on it.
+    """
+
+    def __init__(self, *, name: str, path: str, mm: mmap.mmap, header: tuple, owner: bool,
+                 register_cuda: bool, event_ring: int) -> None:
+        (_, _, _, num_layers, page_size, row_bytes, row_given, num_blocks, stride, total, _, _,
+         kv_dtype, _, _) = header
+        self.name, self.path, self.is_owner = name, path, owner
+        self.layout = KVLayout(num_layers=num_layers, kv_dtype=kv_dtype.rstrip(b"\0").decode(),
+                               page_size=page_size, row_bytes=row_bytes if row_given else None)
+        self.num_blocks, self.layer_stride, self.nbytes = num_blocks, stride, total
+        self.rows = num_blocks * page_size
+        self._mm: mmap.mmap | None = mm
+        self._arr = np.frombuffer(mm, dtype=np.uint8)  # holds the buffer export (mm stays mapped)
+        self._base = self._arr.ctypes.data
+        self._counter: SharedCounter | None = SharedCounter(self._base + SEQ_OFFSET)
+        self._stacked = self._stack(torch.from_numpy(self._arr))
+        self._views = list(self._stacked.unbind(0))
+        self._registered: list[int] = []
+        self._device_stacked: Any = None  # None: not built yet, False: torch refused the alias
+        self._ring: IpcEventRing | None = None
+        self._finalizer = weakref.finalize(self, unlink_quiet, path) if owner else None
+        if register_cuda:
+            self._register()
+            try:
+                if event_ring:
+                    self._ring = IpcEventRing(event_ring, owner=owner)
+                    if owner:
+                        for slot in range(event_ring):
+                            h = self._ring.handle(slot)
+                            off = EVENT_OFFSET + slot * EVENT_SLOT
+                            struct.pack_into(f"<I{len(h)}s", mm, off, len(h), h)
+            except BaseException:
+                self._unregister()
+                raise
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def create(cls, replica_id: str, layout: KVLayout, num_blocks: int,
+               register_cuda: bool | None = None, *, prefix: str = DEFAULT_PREFIX,
+               shm_dir: str = SHM_DIR, event_ring: int = 8) -> "HostPool":
+        """Rank 0: create, pre-fault and (on GPU machines) register a new segment named
+        ``{prefix}.{replica_id}.{random}``. Stale segments of ``prefix`` are removed first.
+        register_cuda: None = register iff CUDA is available. Raises HostPoolError if the pool
+        exceeds 95 % of MemAvailable or the free space of ``shm_dir``."""
+        if not replica_id or "/" in replica_id or "\0" in replica_id:
+            raise HostPoolError(f"replica id {replica_id!r} cannot be part of a segment name")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise HostPoolError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if not 0 <= event_ring <= (HEADER_BYTES - EVENT_OFFSET) // EVENT_SLOT:
+            raise HostPoolError(f"event_ring {event_ring} out of range")
+        register = torch.cuda.is_available() if register_cuda is None else bool(register_cuda)
+        cleanup_stale(prefix, shm_dir)
+        stride, total = layer_stride(layout, num_blocks), pool_bytes(layout, num_blocks)
+        avail = mem_available_bytes()
+        if total > MAX_POOL_FRACTION * avail:
+            raise HostPoolError(
+                f"host pool of {total} bytes ({total / GIB:.2f} GiB) exceeds "
+                f"{MAX_POOL_FRACTION:.0%} of available memory ({avail} bytes, {avail / GIB:.2f} GiB)")
+        st = os.statvfs(shm_dir)
+        if total > st.f_bavail * st.f_frsize:
+            free = st.f_bavail * st.f_frsize
+            raise HostPoolError(f"host pool of {total} bytes does not fit {shm_dir} ({free} bytes free)")
+        name = f"{prefix}.{replica_id}.{secrets.token_hex(4)}"
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as e:
+            raise HostPoolError(f"cannot create host pool segment {path}: {e}") from None
+        mm = None
+        try:
+            stat = proc_stat(os.getpid())
+            header = (MAGIC, VERSION, HEADER_BYTES, layout.num_layers, layout.page_size,
+                      layout.bytes_per_token_layer, int(layout.row_bytes is not None), num_blocks,
+                      stride, total, os.getpid(), stat[1] if stat else 0,
+                      layout.kv_dtype.encode(), CREATING, event_ring if register else 0)
+            os.pwrite(fd, HEADER_STRUCT.pack(*header), 0)  # owner pid first: a crash from here is stale
+            os.ftruncate(fd, total)
+            try:
+                os.posix_fallocate(fd, 0, total)
+            except OSError as e:
+                raise HostPoolError(f"cannot allocate {total} bytes for {path}: {e}") from None
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            prefault(mm)
+            pool = cls(name=name, path=path, mm=mm, header=header, owner=True,
+                       register_cuda=register, event_ring=event_ring)
+            struct.pack_into("<I", mm, STATE_OFFSET, READY)
+            return pool
+        except BaseException:
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass
+            unlink_quiet(path)
+            raise
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def create_for_capacity(cls, replica_id: str, layout: KVLayout, host_pool_gib: float,
+                            register_cuda: bool | None = None, **kwargs: Any) -> "HostPool":
+        """Rank 0: a pool of ``host_pool_gib`` usable capacity rounded down to whole host blocks
+        (:meth:`KVLayout.host_blocks`; ``HiSparseConfig.host_pool_gib``)."""
+        num_blocks = layout.host_blocks(host_pool_gib)
+        if num_blocks < 1:
+            raise HostPoolError(f"host_pool_gib={host_pool_gib} holds no whole host block "
+                                f"({layout.block_bytes} bytes each)")
+        return cls.create(replica_id, layout, num_blocks, register_cuda, **kwargs)
+
+    @classmethod
+    def attach(cls, name: str, register_cuda: bool | None = None, *, shm_dir: str = SHM_DIR,
+               timeout_s: float = 30.0) -> "HostPool":
+        """A peer rank: map an existing segment (waits for the owner to mark it READY)."""
+        if "/" in name:
+            raise HostPoolError(f"segment name {name!r} must not contain '/'")
+        register = torch.cuda.is_available() if register_cuda is None else bool(register_cuda)
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise HostPoolError(f"cannot open host pool segment {path}: {e}") from None
+        try:
+            header = read_header(fd)
+            if header is None or header[1] != VERSION:
+                raise HostPoolError(f"{path} is not a version {VERSION} host pool segment")
+            total = header[9]
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        try:
+            spin_until(lambda: struct.unpack_from("<I", mm, STATE_OFFSET)[0] == READY,
+                       timeout_s, f"host pool {name} to become ready")
+            header = HEADER_STRUCT.unpack_from(mm, 0)
+            return cls(name=name, path=path, mm=mm, header=header, owner=False,
+                       register_cuda=register, event_ring=header[14])
+        except BaseException:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+            raise
+
+    # ---------------------------------------------------------------- views
+    def layer(self, l: int) -> torch.Tensor:
+        """Layer ``l``'s host view: [num_blocks * page_size, row_bytes] uint8 on the shared mapping
+        (pinned where registered)."""
+        self._check_open()
+        return self._views[l]
+
+    def block_rows(self, block: int) -> slice:
+        """Rows of host block ``block`` in every layer view."""
+        if not 0 <= block < self.num_blocks:
+            raise HostPoolError(f"host block {block} out of range 0..{self.num_blocks - 1}")
+        p = self.layout.page_size
+        return slice(block * p, (block + 1) * p)
+
+    def block(self, l: int, block: int) -> torch.Tensor:
+        """One page: [page_size, row_bytes] uint8 view of host block ``block`` in layer ``l``."""
+        return self.layer(l)[self.block_rows(block)]
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._registered)
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def stacked(self) -> torch.Tensor:
+        """All layers as one strided view [num_layers, rows, row_bytes] uint8 (layer stride
+        ``layer_stride`` bytes): lets one gather/scatter cover every layer."""
+        self._check_open()
+        return self._stacked
+
+    def device_layer(self, l: int) -> torch.Tensor | None:
+        """A CUDA tensor aliasing layer ``l`` through UVA (GPU kernels read/write host memory over
+        PCIe), or None when the pool is not registered or torch refuses the alias."""
+        stacked = self.device_stacked()
+        return None if stacked is None else stacked[l]
+
+    def device_stacked(self) -> torch.Tensor | None:
+        """The CUDA (UVA) alias of :meth:`stacked`, or None (see :meth:`device_layer`)."""
+        self._check_open()
+        if not self._registered:
+            return None
+        if self._device_stacked is None:
+            try:
+                whole = torch.as_tensor(_CudaArray(self._base, self.nbytes), device="cuda")
+                self._device_stacked = self._stack(whole)
+            except (RuntimeError, TypeError, ValueError):
+                self._device_stacked = False
+        return self._device_stacked if self._device_stacked is not False else None
+
+    def _stack(self, whole: torch.Tensor) -> torch.Tensor:
+        rb = self.layout.bytes_per_token_layer
+        return whole.as_strided((self.layout.num_layers, self.rows, rb), (self.layer_stride, rb, 1),
+                                HEADER_BYTES)
+
+    # ---------------------------------------------------------------- publish protocol
+    def begin_write(self) -> None:
+        """Owner: mark a CPU write batch in progress (counter odd) so concurrent seqlock readers
+        retry. Not needed for GPU writes, which peers order through the IPC event."""
+        self._check_owner("begin_write")
+        c = self._counter.load()
+        if c & 1:
+            raise HostPoolError(f"host pool {self.name}: begin_write while a write is in progress")
+        self._counter.store(c + 1)
+
+    def publish(self, stream: Any = None) -> Publication:
+        """Owner, after a batch of writes: record the IPC event (CUDA pools, on ``stream`` or the
+        current stream), then bump the counter (release). Returns the new generation's message."""
+        self._check_owner("publish")
+        c = self._counter.load()
+        seq = c // 2 + 1
+        slot, handle = -1, b""
+        if self._ring is not None:
+            slot = seq % self._ring.size
+            self._ring.record(slot, stream)
+            handle = self._ring.handle(slot)
+        self._counter.store(2 * seq)
+        return Publication(seq=seq, event_slot=slot, event_handle=handle)
+
+    def published(self) -> int:
+        """The latest published generation (0 before the first publish)."""
+        self._check_open()
+        return self._counter.load() // 2
+
+    def wait_published(self, seq: int, *, stream: Any = None, publication: Publication | None = None,
+                       timeout_s: float | None = None) -> None:
+        """Peer: block until generation ``seq`` is published; on CUDA pools also make ``stream``
+        (default: current) wait on its IPC event, so GPU reads that follow see the batch."""
+        self._check_open()
+        counter = self._counter
+        spin_until(lambda: counter.load() >= 2 * seq, timeout_s, f"{self.name} generation {seq}")
+        if self._ring is not None and seq > 0:
+            slot = seq % self._ring.size
+            handle = publication.event_handle if publication is not None and publication.seq == seq \
+                else self._event_handle(slot)
+            self._ring.wait(slot, handle, stream)
+
+    def read_begin(self, timeout_s: float | None = None) -> int:
+        """Seqlock reader: wait until no CPU write is in progress; returns the token to validate."""
+        self._check_open()
+        counter, token = self._counter, [0]
+
+        def idle() -> bool:
+            token[0] = counter.load()
+            return not token[0] & 1
+
+        spin_until(idle, timeout_s, f"{self.name} write to finish")
+        return token[0]
+
+    def read_valid(self, token: int) -> bool:
+        """Seqlock reader, after copying: True iff no write overlapped the copy since read_begin."""
+        SharedCounter.fence()
+        return self._counter.load() == token
+
+    def _event_handle(self, slot: int) -> bytes:
+        off = EVENT_OFFSET + slot * EVENT_SLOT
+        (n,) = struct.unpack_from("<I", self._mm, off)
+        return bytes(self._mm[off + 4: off + 4 + n])
+
+    # ---------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Unmap this process's view (unregistering it first). Idempotent. No GPU work may still
+        use the pool's memory. Views held elsewhere keep the mapping alive until they die."""
+        if self._mm is None:
+            return
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        self._device_stacked = None
+        self._unregister()
+        self._counter = None
+        self._views = []
+        self._stacked = None
+        self._arr = None
+        mm, self._mm = self._mm, None
+        try:
+            mm.close()
+        except BufferError:
+            pass  # caller-held views still export the buffer; unmapped when they are freed
+
+    def destroy(self) -> None:
+        """Owner: close and unlink the segment (peers' mappings stay valid until they close)."""
+        self._check_owner("destroy")
+        self.close()
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> "HostPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy() if self.is_owner else self.close()
+
+    def __repr__(self) -> str:
+        role = "owner" if self.is_owner else "peer"
+        return (f"HostPool({self.name!r}, {role}, blocks={self.num_blocks}, "
+                f"layers={self.layout.num_layers}, bytes={self.nbytes}, registered={self.registered})")
+
+    # ---------------------------------------------------------------- internals
+    def _check_open(self) -> None:
+        if self._mm is None:
+            raise HostPoolError(f"host pool {self.name} is closed")
+
+    def _check_owner(self, what: str) -> None:
+        if what != "destroy":
+            self._check_open()
+        if not self.is_owner:
+            raise HostPoolError(f"{what} is for the owner (rank 0) of host pool {self.name}")
+
+    def _register(self) -> None:
+        """cudaHostRegister in chunks of <= 64 GiB, cut at layer boundaries where possible."""
+        cudart = _cudart()
+        for ptr, size in register_chunks(self._base, HEADER_BYTES, self.layer_stride,
+                                          self.layout.num_layers):
+            rc = cudart.cudaHostRegister(ptr, size, REGISTER_FLAGS)
+            if rc != cudart.cudaError.success:
+                self._unregister()
+                why = cudart.cudaGetErrorString(rc)
+                raise HostPoolError(f"cudaHostRegister({ptr:#x}, {size} bytes) of host pool "
+                                    f"{self.name} failed: {why}")
+            self._registered.append(ptr)
+
+    def _unregister(self) -> None:
+        if not self._registered:
+            return
+        cudart = _cudart()
+        torch.cuda.synchronize()
+        for ptr in self._registered:
+            cudart.cudaHostUnregister(ptr)
+        self._registered = []

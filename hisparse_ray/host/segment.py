@@ -1,0 +1,181 @@
+"""The host pool's shared-memory segment format and lifecycle helpers (adapter ring, standard
+library + numpy): header layout, sizes, capacity checks, stale-segment cleanup, pre-faulting, and
+the cudaHostRegister chunking plan. :mod:`hisparse_ray.host.pool` builds the pool on top of it.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import struct
+import time
+
+import numpy as np
+
+from hisparse_ray.config import GIB, KVLayout
+from hisparse_ray.errors import HostPoolError
+
+DEFAULT_PREFIX = "hisparse-pool"
+SHM_DIR = "/dev/shm"
+MAGIC = b"HSPRPOOL"
+VERSION = 1
+HEADER_BYTES = 4096
+ALIGN = 4096
+MAX_REGISTER_BYTES = 64 * GIB  # one cudaHostRegister call; a single 512 GiB call fails
+MAX_POOL_FRACTION = 0.95  # of MemAvailable
+STALE_GRACE_S = 60.0  # a segment without a readable header is stale only after this age
+
+# magic, version, header_bytes, num_layers, page_size, row_bytes, row_bytes_given, num_blocks,
+# layer_stride, total_bytes, owner_pid, owner_start, kv_dtype, state, event_ring
+HEADER_STRUCT = struct.Struct("<8sIIIIIIQQQQQ8sII")
+STATE_OFFSET = 80  # u32 state inside HEADER_STRUCT
+SEQ_OFFSET = 128  # u64 seqlock counter, on its own cache line
+EVENT_OFFSET = 256  # event ring: slots of 128 bytes, [u32 length][handle bytes]
+EVENT_SLOT = 128
+CREATING, READY = 0, 1
+REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped (UVA device access)
+_MADV_POPULATE_WRITE = 23
+assert HEADER_STRUCT.size <= SEQ_OFFSET and STATE_OFFSET == HEADER_STRUCT.size - 8
+
+
+class HostSharing(enum.Enum):
+    """How the TP ranks of one replica get host memory."""
+
+    SHARED = "shared"  # rank 0 creates one segment, peers attach (MLA KV is replicated over TP)
+    PRIVATE = "private"  # every rank creates its own pool (other executors / parallel layouts)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layer_stride(layout: KVLayout, num_blocks: int) -> int:
+    return _align(num_blocks * layout.page_bytes_per_layer)
+
+
+def pool_bytes(layout: KVLayout, num_blocks: int) -> int:
+    """Bytes of one segment: header page + every layer region (block stride alignment included)."""
+    return HEADER_BYTES + layout.num_layers * layer_stride(layout, num_blocks)
+
+
+def physical_pool_bytes(layout: KVLayout, num_blocks: int, tp_size: int, sharing: HostSharing) -> int:
+    """Host bytes a replica of ``tp_size`` ranks uses: one segment shared, or one per rank."""
+    return pool_bytes(layout, num_blocks) * (1 if sharing is HostSharing.SHARED else tp_size)
+
+
+def mem_available_bytes() -> int:
+    """``MemAvailable`` from /proc/meminfo (bytes)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise HostPoolError("MemAvailable not found in /proc/meminfo")
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of a live pid, None if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        return rest[0], int(rest[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int, start: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    stat = proc_stat(pid)
+    if stat is None:
+        return True  # exists per kill(); /proc not readable: assume alive
+    state, started = stat
+    return state not in ("Z", "X") and (start == 0 or started == start)
+
+
+def read_header(fd: int) -> tuple | None:
+    raw = os.pread(fd, HEADER_STRUCT.size, 0)
+    if len(raw) < HEADER_STRUCT.size or raw[:8] != MAGIC:
+        return None
+    return HEADER_STRUCT.unpack(raw)
+
+
+def list_segments(prefix: str = DEFAULT_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
+    """Names of the segments in ``shm_dir`` whose name starts with ``prefix + "."``."""
+    try:
+        return sorted(n for n in os.listdir(shm_dir) if n.startswith(prefix + "."))
+    except FileNotFoundError:
+        return []
+
+
+def cleanup_stale(prefix: str = DEFAULT_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink segments of ``prefix`` whose owner process is dead (or, without a readable header,
+    that are older than ``STALE_GRACE_S``). Returns the names removed. Live pools are untouched."""
+    removed = []
+    for name in list_segments(prefix, shm_dir):
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            header = read_header(fd)
+            age = time.time() - os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+        if header is None:
+            stale = age > STALE_GRACE_S
+        else:
+            stale = not pid_alive(header[10], header[11])
+        if stale:
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def register_chunks(base: int, header: int, stride: int, layers: int) -> list[tuple[int, int]]:
+    """(ptr, size) ranges covering the segment, each <= MAX_REGISTER_BYTES; a layer region is never
+    split unless it alone exceeds the limit."""
+    chunks: list[tuple[int, int]] = []
+    start, end = base, base + header
+    for _ in range(layers):
+        if end - start + stride <= MAX_REGISTER_BYTES:
+            end += stride
+            continue
+        if end > start:
+            chunks.append((start, end - start))
+        start, remaining = end, stride
+        while remaining > MAX_REGISTER_BYTES:
+            chunks.append((start, MAX_REGISTER_BYTES))
+            start += MAX_REGISTER_BYTES
+            remaining -= MAX_REGISTER_BYTES
+        end = start + remaining
+    if end > start:
+        chunks.append((start, end - start))
+    return chunks
+
+
+def prefault(mm: mmap.mmap) -> None:
+    """Fault every page in now (MADV_POPULATE_WRITE, else one write per page)."""
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        arr[:: mmap.PAGESIZE] = 0
+        del arr

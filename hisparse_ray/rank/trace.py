@@ -1,0 +1,146 @@
+"""Top-k trace recording to Parquet and a replay tool for hot-buffer hit rates (ring 2).
+
+A trace has one row per (step, layer, request): the positions the indexer selected and the sequence
+length. ``replay_hit_rate`` runs a trace through the resolver (any backend) with a fresh hot buffer
+of ``device_buffer_size`` slots per (request, layer) and reports how many selected positions hit.
+Usable as ``python -m hisparse_ray.rank.trace TRACE.parquet --buffer 4096``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor
+
+from hisparse_ray import kernels
+
+SCHEMA = pa.schema([
+    ("step", pa.int32()),
+    ("layer", pa.int32()),
+    ("request_id", pa.string()),
+    ("seq_len", pa.int32()),
+    ("positions", pa.list_(pa.int32())),
+])
+
+
+class TopkTraceRecorder:
+    """Collects top-k selections. Set it as ``HiSparseWorker.trace`` (the worker calls
+    ``begin_step(step, rows)`` before each forward and passes ``hook`` as the model's
+    ``topk_hook``), or drive it by hand with ``BatchRow``-like rows (``request_id``, ``seq_len``)."""
+
+    def __init__(self) -> None:
+        self._cols: dict[str, list] = {name: [] for name in SCHEMA.names}
+        self._batch: tuple[int, list[str], list[int]] | None = None
+
+    def begin_step(self, step: int, rows) -> None:
+        self._batch = (step, [r.request_id for r in rows], [r.seq_len for r in rows])
+
+    def hook(self, layer: int, topk: Tensor) -> None:
+        if self._batch is None:
+            raise RuntimeError("TopkTraceRecorder.hook called before begin_step")
+        step, rids, lens = self._batch
+        for b, row in enumerate(topk.detach().cpu().tolist()):
+            self._cols["step"].append(step)
+            self._cols["layer"].append(layer)
+            self._cols["request_id"].append(rids[b])
+            self._cols["seq_len"].append(lens[b])
+            self._cols["positions"].append([p for p in row if p >= 0])
+        return None
+
+    def __len__(self) -> int:
+        return len(self._cols["step"])
+
+    def table(self) -> pa.Table:
+        return pa.table(self._cols, schema=SCHEMA)
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(self.table(), path)
+        return path
+
+
+@dataclass(frozen=True)
+class HitRate:
+    buffer_size: int
+    selected: int  # positions that needed the hot buffer (not newest, long sequences)
+    hits: int
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.selected if self.selected else 1.0
+
+
+def replay_hit_rate(trace: pa.Table | str | Path, buffer_size: int, *, backend: str = "torch") -> HitRate:
+    """Replay a trace through the resolver with ``buffer_size`` hot slots per (request, layer)."""
+    if not isinstance(trace, pa.Table):
+        trace = pq.read_table(trace)
+    rows = trace.to_pylist()
+    rows.sort(key=lambda r: (r["step"], r["layer"], r["request_id"]))
+    H = buffer_size
+    keys = sorted({(r["request_id"], r["layer"]) for r in rows})
+    state_of = {k: i for i, k in enumerate(keys)}
+    S = len(keys)
+    slot_pos = torch.full((S, H), -1, dtype=torch.int32)
+    lru = torch.arange(H, dtype=torch.int32).repeat(S, 1).contiguous()
+    max_len = max((r["seq_len"] for r in rows), default=1)
+    # One host block covering every position; device rows: slot s of state i -> row i*(H+1)+s.
+    host_kv = torch.zeros(max_len, 1, dtype=torch.uint8)
+    device_kv = torch.zeros(S * (H + 1), 1, dtype=torch.uint8)
+    selected = hits = 0
+    groups: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["step"], r["layer"])].append(r)
+    for (_step, layer), batch in sorted(groups.items()):
+        K = max(1, max(len(r["positions"]) for r in batch))
+        if K > H:
+            raise ValueError(f"trace has {K} positions per row, more than buffer_size {H}")
+        B = len(batch)
+        topk = torch.full((B, K), -1, dtype=torch.int32)
+        for b, r in enumerate(batch):
+            topk[b, : len(r["positions"])] = torch.tensor(r["positions"], dtype=torch.int32)
+        idx = [state_of[(r["request_id"], layer)] for r in batch]
+        seq = torch.tensor([r["seq_len"] for r in batch], dtype=torch.int32)
+        slot_rows = torch.tensor([[i * (H + 1) + s for s in range(H + 1)] for i in idx], dtype=torch.int32)
+        out = torch.empty(B, K, dtype=torch.int32)
+        plan = torch.empty(B, K, 2, dtype=torch.int32)
+        kernels.resolve(
+            top_k=topk, seq_lens=seq, state_idx=torch.tensor(idx, dtype=torch.int32),
+            slot_pos=slot_pos, lru=lru, slot_rows=slot_rows,
+            resident_table=torch.full((B, 1), -1, dtype=torch.int32),
+            host_table=torch.zeros((B, 1), dtype=torch.int32),
+            host_kv=host_kv, device_kv=device_kv, page_size=max_len,
+            out_rows=out, plan=plan, backend=backend,
+        )
+        for b, r in enumerate(batch):
+            n = r["seq_len"]
+            if n <= H:
+                continue  # short sequences resolve without the LRU: not a hot-buffer question
+            need = sum(1 for p in r["positions"] if p != n - 1)
+            misses = int((plan[b, :, 0] >= 0).sum())
+            selected += need
+            hits += need - misses
+    return HitRate(buffer_size, selected, hits)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("trace", help="Parquet trace written by TopkTraceRecorder")
+    p.add_argument("--buffer", type=int, action="append", required=True, help="hot slots (repeatable)")
+    args = p.parse_args(argv)
+    table = pq.read_table(args.trace)
+    print(f"{'buffer':>8} {'selected':>10} {'hits':>10} {'hit rate':>9}")
+    for h in args.buffer:
+        r = replay_hit_rate(table, h)
+        print(f"{h:>8} {r.selected:>10} {r.hits:>10} {r.rate:>9.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

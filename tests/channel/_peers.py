@@ -1,0 +1,97 @@
+"""Process bodies for the transfer tests (importable by spawned children and Ray workers)."""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+from typing import Iterator
+
+from hisparse_ray.channel.pair import ChannelPair
+from hisparse_ray.channel.ring import ShmChannel
+
+
+def messages(seed: int, n: int, max_len: int) -> Iterator[tuple[int, bytes]]:
+    """The deterministic stream both ends agree on: (index, random bytes of random length)."""
+    rng = random.Random(seed)
+    for i in range(n):
+        yield (i, rng.randbytes(rng.randint(0, max_len)))
+
+
+def _maybe_pause(rng: random.Random, p: float = 0.02) -> None:
+    if rng.random() < p:
+        time.sleep(rng.random() * 2e-3)
+
+
+def sink(spec, n: int, seed: int, max_len: int, timeout: float = 20.0) -> int:
+    """Attach as receiver, check ``n`` messages against ``messages(seed, ...)`` arriving in order,
+    pausing at random (so the sender hits a full ring); returns n."""
+    rng = random.Random(~seed)
+    chan = ShmChannel.attach(spec)
+    try:
+        for want in messages(seed, n, max_len):
+            got = chan.recv(timeout)
+            if got != want:
+                raise AssertionError(f"message {want[0]}: got index {got[0]}, "
+                                     f"{len(got[1])} bytes vs {len(want[1])}")
+            _maybe_pause(rng, 0.05)
+    finally:
+        chan.close()
+    return n
+
+
+def source(chan: ShmChannel, n: int, seed: int, max_len: int, timeout: float = 20.0) -> int:
+    """Send ``messages(seed, ...)`` with random pauses; returns n."""
+    rng = random.Random(seed ^ 0x5A5A)
+    for msg in messages(seed, n, max_len):
+        chan.send(msg, timeout)
+        _maybe_pause(rng)
+    return n
+
+
+def echo_loop(spec, n: int, seed: int, timeout: float = 20.0) -> int:
+    """Attach to a ChannelPair and echo ``n`` messages back, at a random pace; returns n."""
+    rng = random.Random(seed)
+    pair = ChannelPair.attach(spec)
+    try:
+        for _ in range(n):
+            msg = pair.recv(timeout)
+            _maybe_pause(rng)
+            pair.send(msg, timeout)
+    finally:
+        pair.close()
+    return n
+
+
+def drive(pair: ChannelPair, n: int, seed: int, max_len: int, timeout: float = 20.0,
+          window: int = 8) -> int:
+    """Against ``echo_loop``: send ``messages(seed, ...)`` and take their echoes, interleaved at
+    random with at most ``window`` in flight; checks order, bytes, no loss, no duplicates."""
+    rng = random.Random(seed ^ 0xA5A5)
+    stream = messages(seed, n, max_len)
+    in_flight: collections.deque = collections.deque()
+    sent = got = 0
+    while got < n:
+        can_send = sent < n and len(in_flight) < window
+        if can_send and (not in_flight or rng.random() < 0.6):
+            msg = next(stream)
+            pair.send(msg, timeout)
+            in_flight.append(msg)
+            sent += 1
+        else:
+            echo = pair.recv(timeout)
+            want = in_flight.popleft()
+            if echo != want:
+                raise AssertionError(f"echo {got}: got index {echo[0]}, want {want[0]}")
+            got += 1
+    if pair.inbox.pending():
+        raise AssertionError("an extra (duplicate) message arrived")
+    return got
+
+
+def attach_and_hang(spec, ready) -> None:
+    """Attach, signal, then block (the test kills this process)."""
+    pair = ChannelPair.attach(spec)
+    ready.set()
+    time.sleep(3600)
+    pair.close()

@@ -1,0 +1,98 @@
+"""The step channel between real processes: two spawned processes and two Ray actors hammer it
+with thousands of random-size messages at random paces; a dying peer gives a typed error."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from hisparse_ray.channel.pair import ChannelPair
+from hisparse_ray.channel.ring import ShmChannel
+from hisparse_ray.errors import ChannelPeerLostError, ChannelTimeoutError
+from tests.channel import _peers
+
+CTX = mp.get_context("spawn")
+
+
+def _run_child(target, *args):
+    proc = CTX.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def test_process_one_way_hammer_with_backpressure():
+    """4000 messages of 0..1500 bytes through a 4 KiB ring: the ring fills again and again."""
+    n, seed, max_len = 4000, 11, 1500
+    with ShmChannel.create("sender", 4096) as tx:
+        child = _run_child(_peers.sink, tx.spec, n, seed, max_len)
+        _peers.source(tx, n, seed, max_len)
+        child.join(30)
+        assert child.exitcode == 0
+
+
+def test_process_two_way_hammer():
+    n, seed = 3000, 5
+    with ChannelPair.create(64 * 1024) as pair:
+        child = _run_child(_peers.echo_loop, pair.spec, n, seed)
+        assert _peers.drive(pair, n, seed, max_len=3000) == n
+        child.join(30)
+        assert child.exitcode == 0
+
+
+def test_peer_death_is_a_typed_error_not_a_hang():
+    with ChannelPair.create(4096) as pair:
+        ready = CTX.Event()
+        child = _run_child(_peers.attach_and_hang, pair.spec, ready)
+        assert ready.wait(30)
+        os.kill(child.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises((ChannelPeerLostError, ChannelTimeoutError)) as ei:
+            pair.recv(timeout=5)
+        assert time.monotonic() - t0 < 6
+        child.join(5)
+        # the pid check catches the (zombie or reaped) peer well before the deadline
+        assert isinstance(ei.value, ChannelPeerLostError)
+
+
+class _ChannelActor:
+    """A Ray actor holding one end of a ChannelPair."""
+
+    def __init__(self):
+        self.pair = None
+
+    def create(self, capacity):
+        self.pair = ChannelPair.create(capacity)
+        return self.pair.spec
+
+    # Generous per-message deadlines: on a loaded 2-core CI machine a Ray worker can be descheduled
+    # for many seconds; the test is about order and loss, not latency.
+    def drive(self, n, seed, max_len):
+        return _peers.drive(self.pair, n, seed, max_len, timeout=120.0)
+
+    def echo(self, spec, n, seed):
+        return _peers.echo_loop(spec, n, seed, timeout=120.0)
+
+    def close(self):
+        if self.pair is not None:
+            self.pair.close()
+
+
+@pytest.mark.ray
+def test_ray_actors_hammer(ray_cluster):
+    ray = ray_cluster
+    Actor = ray.remote(num_cpus=0)(_ChannelActor)
+    a, b = Actor.remote(), Actor.remote()
+    try:
+        spec = ray.get(a.create.remote(16 * 1024))
+        n, seed = 3000, 23
+        echoed = b.echo.remote(spec, n, seed)
+        assert ray.get(a.drive.remote(n, seed, 2000), timeout=300) == n
+        assert ray.get(echoed, timeout=300) == n
+        ray.get(a.close.remote())
+    finally:
+        ray.kill(a)
+        ray.kill(b)

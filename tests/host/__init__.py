@@ -1,0 +1,1 @@
+"""Tests of hisparse_ray.host."""

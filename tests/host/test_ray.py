@@ -1,0 +1,90 @@
+"""Two Ray actors (TP ranks) share one host pool: hammer on CPU, IPC events and copies on GPU."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from hisparse_ray.host.pool import cleanup_stale, list_segments
+from hisparse_ray.host.segment import pid_alive
+from tests.host import _hammer
+
+PREFIX = f"hs-test-ray-{os.getpid()}"
+
+
+def _actors(ray, n, **opts):
+    Actor = ray.remote(**opts)(_hammer.PoolActor)
+    return [Actor.remote() for _ in range(n)]
+
+
+@pytest.mark.ray
+def test_ray_actors_hammer_shared_pool(ray_cluster):
+    ray = ray_cluster
+    owner, peer = _actors(ray, 2, num_cpus=0)
+    try:
+        name = ray.get(owner.create.remote("ray", PREFIX))
+        ray.get(peer.attach.remote(name))
+        seed, gens = 11, 300
+        stats = peer.read.remote(seed, gens, False)
+        assert ray.get(owner.write.remote(seed, gens, False), timeout=120) == gens
+        r = ray.get(stats, timeout=120)
+        assert r["reads"] >= 200 and r["final"] == gens
+        assert r["torn"] == 0 and r["stale"] == 0, r
+        assert list_segments(PREFIX) == [name]  # one segment for both ranks
+        ray.get(peer.close.remote())
+        ray.get(owner.close.remote())
+        assert list_segments(PREFIX) == []
+    finally:
+        for a in (owner, peer):
+            ray.kill(a)
+
+
+@pytest.mark.ray
+def test_killed_owner_actor_leaves_a_segment_that_cleanup_removes(ray_cluster):
+    ray = ray_cluster
+    (owner,) = _actors(ray, 1, num_cpus=0)
+    name = ray.get(owner.create.remote("killed", PREFIX))
+    pid = ray.get(owner.pid.remote())
+    ray.kill(owner)
+    deadline = time.monotonic() + 30
+    while pid_alive(pid, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert name in list_segments(PREFIX)
+    assert cleanup_stale(PREFIX) == [name]
+    assert list_segments(PREFIX) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.ray
+@pytest.mark.parametrize("num_gpus", [0.5, pytest.param(1, marks=pytest.mark.two_gpus)],
+                         ids=["one-gpu", "gpu-each"])
+def test_gpu_actors_spill_publish_restore_through_ipc_events(ray_cluster, num_gpus):
+    """Rank 0 spills device pages on a side stream behind a long sleep kernel and publishes at
+    once; the peer's stream waits on the IPC event, restores the pages and compares bytes.
+    ``gpu-each``: the peer's stream is on another GPU than the event (Ray shows each actor only
+    its own GPU) and both GPUs map the one pinned pool."""
+    ray = ray_cluster
+    owner, peer = _actors(ray, 2, num_cpus=0, num_gpus=num_gpus)
+    rng = random.Random(5)
+    try:
+        gpus = ray.get([owner.gpu.remote(), peer.gpu.remote()])
+        assert (gpus[0] != gpus[1]) == (num_gpus == 1), gpus
+        name = ray.get(owner.create.remote("gpu", PREFIX, True))
+        ray.get(peer.attach.remote(name, True))
+        for round_ in range(6):
+            devs = rng.sample(range(_hammer.NUM_BLOCKS), 8)
+            hosts = rng.sample(range(_hammer.NUM_BLOCKS), 8)
+            pairs = list(zip(devs, hosts))
+            pub = ray.get(owner.spill_and_publish.remote(100 + round_, pairs))
+            assert pub.seq == round_ + 1 and pub.event_handle
+            assert ray.get(peer.restore_and_check.remote(100 + round_, pairs, pub)) == 0
+        assert list_segments(PREFIX) == [name]
+        ray.get(peer.close.remote())
+        ray.get(owner.close.remote())
+        assert list_segments(PREFIX) == []
+    finally:
+        for a in (owner, peer):
+            ray.kill(a)
