@@ -26,10 +26,13 @@ SHAPES = ("tiny", "landing")
 
 
 @functools.lru_cache(maxsize=8)
-def _checkpoint(path: str, mtime_ns: int):
+def _checkpoint(path: str, stamps: tuple):
     from hisparse_ray.model.checkpoint import Checkpoint
 
     return Checkpoint(path)
+
+
+INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +51,13 @@ class ModelSource:
         return self.name not in KINDS
 
     def checkpoint(self):
-        """The folder's :class:`~hisparse_ray.model.checkpoint.Checkpoint` (cached per folder
-        state; re-read when config.json changes)."""
+        """The folder's :class:`~hisparse_ray.model.checkpoint.Checkpoint` (cached; re-read when
+        config.json or the index changes)."""
         if not self.is_folder:
             raise ConfigError("model", self.name, "a built-in kind has no checkpoint")
-        config = Path(self.name) / "config.json"
-        return _checkpoint(self.name, config.stat().st_mtime_ns if config.exists() else 0)
+        stamps = tuple((p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else (0, 0)
+                       for p in (Path(self.name) / "config.json", Path(self.name) / INDEX))
+        return _checkpoint(self.name, stamps)
 
     @property
     def config(self) -> DSAConfig:
