@@ -20,6 +20,7 @@ from dataclasses import MISSING, fields
 
 from hisparse_ray.config import KVLayout
 from hisparse_ray.deploy import GROUPS, ByteTokenizer, DeployOptions, load_config, visible_gpus
+from hisparse_ray.errors import ConfigError
 
 CLI_GROUPS = {"demo": GROUPS[:4], "generate": GROUPS[:4], "serve": GROUPS}
 
@@ -29,6 +30,37 @@ def options(args: argparse.Namespace) -> DeployOptions:
     ConfigError naming a bad flag's option and value."""
     return DeployOptions.from_dict({f.name: getattr(args, f.name) for f in fields(DeployOptions)
                                     if hasattr(args, f.name)})
+
+
+def deployment(args: argparse.Namespace, replicas: int = 1, out=None):
+    """Options, specs and this node's checks of a command, all before Ray starts: ConfigError
+    naming the option for a bad value, a config that does not fit the model, or pools that do
+    not fit (the device pool one hot buffer; ``replicas`` host pools this node's
+    ``host_pool_dir`` and memory). Prints the pools' sizes (to ``out``, default stdout).
+    Returns (options, replica spec, prefill spec)."""
+    opts = options(args)
+    opts.specs(gpus=0)[0].check_host_fits(replicas)  # sizes before torch looks for GPUs
+    replica_spec, prefill_spec = opts.specs()
+    print(replica_spec.pool_summary() + (f", x{replicas} replicas" if replicas > 1 else ""),
+          file=out or sys.stdout, flush=True)
+    return opts, replica_spec, prefill_spec
+
+
+def _request_ids(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[int]]]:
+    """``--prompt`` texts (byte tokenizer) and ``--ids`` lists as (request id, token ids);
+    ConfigError naming ``ids`` for a value that is not a list of ids in ``[0, vocab)``."""
+    tok = ByteTokenizer()
+    requests = [(f"p{i}", tok.encode(text)) for i, text in enumerate(args.prompt or [])]
+    for i, ids in enumerate(args.ids or []):
+        try:
+            toks = [int(x) for x in ids.replace(",", " ").split()]
+        except ValueError:
+            toks = []
+        if not toks or not all(0 <= t < vocab for t in toks):
+            raise ConfigError("ids", ids, f"must be token ids in [0, {vocab}) separated by commas "
+                                          f"or spaces")
+        requests.append((f"ids{i}", toks))
+    return requests
 
 
 def _start_ray(num_cpus: int | None) -> None:
@@ -103,9 +135,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hisparse_ray.actors import launch
 
     t_start = time.perf_counter()
-    opts = options(args)
+    opts, replica_spec, prefill_spec = deployment(args)
     cfg = opts.config
-    replica_spec, prefill_spec = opts.specs()
     rng = random.Random(opts.seed)
     lengths = [rng.randint(args.min_context, args.max_context) for _ in range(args.requests)]
     requests = [(f"req{i}", [rng.randrange(1, 96) for _ in range(n)]) for i, n in enumerate(lengths)]
@@ -151,14 +182,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from hisparse_ray.actors import launch
 
-    opts = options(args)
-    replica_spec, prefill_spec = opts.specs()
+    opts, replica_spec, prefill_spec = deployment(args, out=sys.stderr if args.json else None)
     tok = ByteTokenizer()
-    requests: list[tuple[str, list[int]]] = []
-    for i, text in enumerate(args.prompt or []):
-        requests.append((f"p{i}", tok.encode(text)))
-    for i, ids in enumerate(args.ids or []):
-        requests.append((f"ids{i}", [int(x) for x in ids.replace(",", " ").split()]))
+    requests = _request_ids(args, replica_spec.model.dsa_config().vocab_size)
     if not requests:
         raise SystemExit("give at least one --prompt TEXT or --ids '1,2,3'")
     _start_ray(args.num_cpus)
@@ -199,7 +225,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from hisparse_ray.serve import build_app
 
     opts = options(args)
-    app = build_app(opts)  # option errors before anything starts
+    deployment(args, opts.num_replicas)  # option errors and this node's sizes before Ray starts
+    app = build_app(opts)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -87,23 +87,41 @@ class HiSparseConfig:
                    host_pool_gib=0.01)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HiSparseConfig":
+    def from_dict(cls, data: dict[str, Any], base: "HiSparseConfig | None" = None
+                  ) -> "HiSparseConfig":
+        """The config ``data`` names; keys left out keep ``base``'s values (None: the class
+        defaults, SGLang's production sizes). An unknown key raises ConfigError naming it."""
         if not isinstance(data, dict):
             raise ConfigError("hisparse-config", data, "must be a JSON object")
         known = {f.name for f in fields(cls)}
         for key in data:
             if key not in known:
                 raise ConfigError(key, data[key], f"unknown key; allowed keys: {sorted(known)}")
-        return cls(**data)
+        return cls(**{**(base.to_dict() if base is not None else {}), **data})
 
     @classmethod
-    def from_json(cls, text: str) -> "HiSparseConfig":
-        """Parse SGLang's ``--hisparse-config`` JSON (``host_pool_gib`` may be added)."""
+    def from_json(cls, text: str, base: "HiSparseConfig | None" = None) -> "HiSparseConfig":
+        """Parse SGLang's ``--hisparse-config`` JSON (``host_pool_gib`` may be added); keys left
+        out keep ``base``'s values (None: the class defaults)."""
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, TypeError) as e:
             raise ConfigError("hisparse-config", text, f"must be valid JSON ({e})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(data, base)
+
+    def check_model(self, index_topk: int, model: str = "the model") -> None:
+        """ConfigError naming ``top_k`` unless this config fits a model whose indexer selects
+        ``index_topk`` positions per layer and step: the resolver maps exactly that selection,
+        so ``top_k`` must equal it (and ``device_buffer_size >= top_k`` then gives every
+        selected position a hot slot). Checked wherever a config meets a model (``Engine``,
+        ``HiSparseWorker``, ``ReplicaSpec``), so a mismatch never reaches a decode step."""
+        if self.top_k != index_topk:
+            hot = "" if self.device_buffer_size >= index_topk else (
+                f"; device_buffer_size={self.device_buffer_size} must then be >= {index_topk}")
+            raise ConfigError("top_k", self.top_k,
+                              f"must equal {model}'s index_topk ({index_topk}): its indexer "
+                              f"selects {index_topk} positions per layer and step, each needing "
+                              f"a hot slot{hot}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,7 +152,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         _int("num_layers", self.num_layers, lo=1, allowed="must be >= 1")
-        if self.kv_dtype not in KV_ROW_BYTES:
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_ROW_BYTES:
             raise ConfigError("kv_dtype", self.kv_dtype, f"must be one of {sorted(KV_ROW_BYTES)}")
         _int("page_size", self.page_size, lo=1, allowed="must be >= 1 (tokens per page)")
         if self.row_bytes is not None:

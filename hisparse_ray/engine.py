@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
+from hisparse_ray.checks import check_bool, check_choice, check_int, check_type
 from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import ConfigError, DuplicateRequestError, InvalidRequestError, StateError
@@ -34,6 +36,9 @@ class EngineConfig:
     num_device_blocks: device pool blocks (``page_size`` rows per layer each) for resident pages and
         hot buffers; ignored (grown) in full-resident mode.
     full_resident: every request lands on resident device pages (the exactness baseline).
+    device: "cpu", "cuda" or "cuda:N". backend: the resolver's ("auto", "cuda", "torch").
+    Every field is checked at construction (ConfigError naming it); ``Engine`` then checks the
+    HiSparse config against the model (``HiSparseConfig.check_model``).
     """
 
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
@@ -46,10 +51,14 @@ class EngineConfig:
     batch_invariant: bool = True  # see HiSparseWorker and DSAModel.prefill: exact; False = throughput
 
     def __post_init__(self) -> None:
+        check_type("hisparse", self.hisparse, HiSparseConfig)
         for key in ("page_size", "num_device_blocks", "max_batch"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(key, v, "must be an integer >= 1")
+            check_int(key, getattr(self, key), lo=1)
+        check_bool("full_resident", self.full_resident)
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError("device", self.device, "must be 'cpu', 'cuda' or 'cuda:N'")
+        check_choice("backend", self.backend, ("auto", "cuda", "torch"))
+        check_bool("batch_invariant", self.batch_invariant)
 
     def layout(self, model_cfg: Any, dtype: torch.dtype) -> KVLayout:
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -73,7 +82,8 @@ class Engine:
 
     def __init__(self, model: Any, config: EngineConfig | None = None) -> None:
         self.model, self.config = model, config or EngineConfig()
-        c = self.config
+        c = check_type("config", self.config, EngineConfig)
+        c.hisparse.check_model(model.cfg.index_topk, model=f"the {model.cfg.kind} model")
         self.layout = c.layout(model.cfg, model.dtype)
         num_host = self.layout.host_blocks(c.hisparse.host_pool_gib)
         if num_host < 1:
@@ -88,6 +98,7 @@ class Engine:
             device_buffer_size=c.hisparse.device_buffer_size, max_batch=c.max_batch,
             page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token))
         self.pool = HostPool.create(f"engine{os.getpid()}-{next(_ids)}", self.layout, num_host)
+        self.pool.unlink()  # private: nothing attaches, so no exit path leaves the segment behind
         try:
             self.worker = HiSparseWorker(
                 model, c.hisparse, self.layout, num_device, self.pool, device=c.device,
@@ -108,6 +119,8 @@ class Engine:
         rid = RequestId(request_id)
         if rid in self._known:
             raise DuplicateRequestError(rid)
+        if sampling is not None:
+            check_type("sampling", sampling, SamplingParams)
         p = _Pending(list(prompt), max_new_tokens, eos_token_id)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in p.prompt if not (isinstance(t, int) and 0 <= t < vocab)]

@@ -34,21 +34,22 @@ def test_one_set_of_defaults_for_every_front_door():
 def test_cli_serve_options_and_python_build_the_same_options():
     flags = cli.options(cli.build_parser().parse_args(
         ["serve", "--tp", "1", "--device-blocks", "12", "--gpus-per-rank", "0.5",
-         "--decode-resources", '{"decode_node": 0.01}', "--config", '{"top_k": 4, '
-         '"device_buffer_size": 16, "swap_in_block_size": 64, "host_pool_gib": 0.01}']))
+         "--decode-resources", '{"decode_node": 0.01}', "--config", '{"top_k": 8, '
+         '"device_buffer_size": 32, "swap_in_block_size": 64, "host_pool_gib": 0.01}']))
     served = DeployOptions.from_dict({"tp": "1", "device_blocks": 12, "gpus_per_rank": "0.5",
                                       "decode_resources": {"decode_node": 0.01},
-                                      "config": {"top_k": 4, "device_buffer_size": 16,
+                                      "config": {"top_k": 8, "device_buffer_size": 32,
                                                  "swap_in_block_size": 64,
                                                  "host_pool_gib": 0.01}})
     python = DeployOptions(tp=1, device_blocks=12, gpus_per_rank=0.5,
                            decode_resources={"decode_node": 0.01},
-                           config=HiSparseConfig(top_k=4, device_buffer_size=16,
-                                                 swap_in_block_size=64, host_pool_gib=0.01))
+                           config=HiSparseConfig(top_k=8, device_buffer_size=32,
+                                                 swap_in_block_size=64, host_pool_gib=0.01,
+                                                 host_to_device_ratio=4))  # the tiny default
     assert flags == served == python
     replica, prefill = python.specs(gpus=1)
     assert (replica.tp_size, replica.num_device_blocks, replica.gpus_per_rank) == (1, 12, 0.5)
-    assert replica.hisparse.top_k == 4 and prefill.model == replica.model
+    assert replica.hisparse.device_buffer_size == 32 and prefill.model == replica.model
 
 
 def test_every_option_is_a_serve_flag_and_demo_takes_the_deployment_ones():
@@ -70,7 +71,7 @@ def test_every_option_is_a_serve_flag_and_demo_takes_the_deployment_ones():
     ("landing_push_with_prefill", "sometimes", "landing_push_with_prefill"),
     ("step_yield_s", 1e-6, "step_yield_s"),
     ("config", '{"top_k": 64, "device_buffer_size": 16}', "top_k"),
-    ("model", "llama", "kind='llama'"),
+    ("model", "llama", "model='llama'"),
 ])
 def test_a_bad_option_is_refused_naming_it(key, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -80,7 +81,7 @@ def test_a_bad_option_is_refused_naming_it(key, value, match):
 
 def test_pools_that_cannot_fit_are_refused_before_anything_starts():
     # a 16-slot hot buffer (+ 1 newest slot) of 8-row pages needs 3 device blocks
-    with pytest.raises(ConfigError, match="num_device_blocks=2: must hold one hot buffer"):
+    with pytest.raises(ConfigError, match="config device_blocks=2: must hold one hot buffer"):
         DeployOptions(device_blocks=2)
     with pytest.raises(ConfigError, match="host_pool_gib"):
         DeployOptions(config=HiSparseConfig(top_k=8, device_buffer_size=16,

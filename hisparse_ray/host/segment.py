@@ -114,6 +114,29 @@ def list_segments(prefix: str = DEFAULT_PREFIX, shm_dir: str = SHM_DIR) -> list[
         return []
 
 
+def mapped_segments(pid: int | str = "self", prefix: str = DEFAULT_PREFIX,
+                    shm_dir: str = SHM_DIR) -> dict[str, int]:
+    """Segments of ``prefix`` in ``shm_dir`` that process ``pid`` maps, unlinked ones included
+    (a replica's pool is unlinked once its ranks attached, so it is no longer listed in the
+    directory): name -> bytes mapped, from ``/proc/<pid>/maps``. Empty if the process is gone."""
+    head = os.path.join(shm_dir, prefix + ".")
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith(head):
+            continue
+        path = parts[5].rstrip("\n").removesuffix(" (deleted)")
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        name = os.path.basename(path)
+        out[name] = out.get(name, 0) + hi - lo
+    return out
+
+
 def cleanup_stale(prefix: str = DEFAULT_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink segments of ``prefix`` whose owner process is dead (or, without a readable header,
     that are older than ``STALE_GRACE_S``). Returns the names removed. Live pools are untouched."""
