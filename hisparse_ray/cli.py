@@ -18,8 +18,10 @@ import sys
 import time
 from dataclasses import MISSING, fields
 
-from hisparse_ray.config import KVLayout
-from hisparse_ray.deploy import GROUPS, ByteTokenizer, DeployOptions, load_config, visible_gpus
+from hisparse_ray.config import GIB, KVLayout
+from hisparse_ray.deploy import (
+    GROUPS, ByteTokenizer, DeployOptions, ReplicaSpec, load_config, visible_gpus,
+)
 from hisparse_ray.errors import ConfigError
 
 CLI_GROUPS = {"demo": GROUPS[:4], "generate": GROUPS[:4], "serve": GROUPS}
@@ -32,6 +34,42 @@ def options(args: argparse.Namespace) -> DeployOptions:
                                     if hasattr(args, f.name)})
 
 
+def pool_summary(spec: ReplicaSpec) -> str:
+    """One line to print before anything starts: the host pool's size (the ``/dev/shm`` segment
+    rank 0 will create), the device pool's and the hot buffer's."""
+    from hisparse_ray.host.segment import pool_bytes
+
+    lay, c = spec.layout, spec.hisparse
+    host = pool_bytes(lay, spec.num_host_blocks)
+    return (f"host pool: {spec.num_host_blocks} blocks of {spec.page_size} tokens = "
+            f"{_size(host)} in {spec.host_pool_dir} (host_pool_gib={c.host_pool_gib:g}); device "
+            f"pool: {spec.num_device_blocks} blocks = {_size(spec.num_device_blocks * lay.block_bytes)}"
+            f" per rank; hot buffer {c.device_buffer_size} slots per request, top-k {c.top_k}")
+
+
+def check_host_fits(spec: ReplicaSpec, replicas: int = 1) -> int:
+    """Before anything starts on THIS node (the CLI's local cluster): ConfigError unless
+    ``replicas`` host pools of ``spec`` fit its ``host_pool_dir`` and memory, as
+    ``HostPool.create`` will demand (``host.segment.fit_problem``). Returns their bytes."""
+    from hisparse_ray.host.segment import fit_problem, pool_bytes
+
+    need = replicas * pool_bytes(spec.layout, spec.num_host_blocks)
+    try:
+        why = fit_problem(need, spec.host_pool_dir)
+    except OSError as e:
+        raise ConfigError("host_pool_dir", spec.host_pool_dir,
+                          f"must be a directory on this node ({e.strerror})") from None
+    if why:
+        raise ConfigError("host_pool_gib", spec.hisparse.host_pool_gib,
+                          f"{replicas} host pool(s) of {_size(need // replicas)} on this node: "
+                          f"{why}")
+    return need
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
+
+
 def deployment(args: argparse.Namespace, replicas: int = 1, out=None):
     """Options, specs and this node's checks of a command, all before Ray starts: ConfigError
     naming the option for a bad value, a config that does not fit the model, or pools that do
@@ -39,9 +77,9 @@ def deployment(args: argparse.Namespace, replicas: int = 1, out=None):
     ``host_pool_dir`` and memory). Prints the pools' sizes (to ``out``, default stdout).
     Returns (options, replica spec, prefill spec)."""
     opts = options(args)
-    opts.specs(gpus=0)[0].check_host_fits(replicas)  # sizes before torch looks for GPUs
+    check_host_fits(opts.specs(gpus=0)[0], replicas)  # sizes before torch looks for GPUs
     replica_spec, prefill_spec = opts.specs()
-    print(replica_spec.pool_summary() + (f", x{replicas} replicas" if replicas > 1 else ""),
+    print(pool_summary(replica_spec) + (f", x{replicas} replicas" if replicas > 1 else ""),
           file=out or sys.stdout, flush=True)
     return opts, replica_spec, prefill_spec
 

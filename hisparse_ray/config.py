@@ -13,6 +13,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from hisparse_ray.errors import ConfigError
@@ -122,6 +123,41 @@ class HiSparseConfig:
                               f"must equal {model}'s index_topk ({index_topk}): its indexer "
                               f"selects {index_topk} positions per layer and step, each needing "
                               f"a hot slot{hot}")
+
+    @classmethod
+    def load(cls, value: Any, base: "HiSparseConfig | None" = None) -> "HiSparseConfig":
+        """A config from what a front door was given: a ``HiSparseConfig``, a dict, inline JSON or
+        the path of a JSON file. Keys left out keep ``base``'s values (None: the class defaults);
+        None or "" is ``base``. A path that is not there, a file that is not JSON and JSON that
+        is not an object raise ConfigError (key ``config``) saying which."""
+        base = cls() if base is None else base
+        if isinstance(value, cls):
+            return value
+        if value is None or value == "":
+            return base
+        if isinstance(value, dict):
+            return cls.from_dict(value, base)
+        if not isinstance(value, str):
+            raise ConfigError("config", value, "must be a HiSparseConfig, a dict, inline JSON or "
+                                               "the path of a JSON file")
+        text = value.strip()
+        if text.startswith("{"):
+            return cls.from_json(text, base)
+        path = Path(text).expanduser()
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise ConfigError("config", value, f"the file is not readable JSON ({e})") from None
+            return cls.from_dict(data, base)
+        if path.exists():
+            raise ConfigError("config", value, "is not a file: give a JSON file or inline JSON")
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise ConfigError("config", value, "no such file; give the path of a JSON file or "
+                                               "inline JSON like '{\"top_k\": 8}'") from None
+        return cls.from_dict(data, base)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

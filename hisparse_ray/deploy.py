@@ -16,13 +16,12 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from hisparse_ray.checks import (
     check_bool, check_choice, check_int, check_number, check_optional_number, check_str, check_type,
 )
-from hisparse_ray.config import GIB, CoordinatorConfig, HiSparseConfig, KVLayout
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.errors import ConfigError
 
 #: ``landing_push_with_prefill`` values
@@ -267,35 +266,8 @@ def load_config(value: Any, base: HiSparseConfig | None = None) -> HiSparseConfi
     (default: ``HiSparseConfig.tiny()``, the built-in models' defaults; SGLang's production
     defaults would silently make a 4 GiB host pool for a tiny model); None or "" is ``base``.
     A path that does not exist, a file that is not JSON and JSON that is not an object are
-    ConfigErrors saying which."""
-    base = HiSparseConfig.tiny() if base is None else base
-    if isinstance(value, HiSparseConfig):
-        return value
-    if value is None or value == "":
-        return base
-    if isinstance(value, dict):
-        return HiSparseConfig.from_dict(value, base)
-    if not isinstance(value, str):
-        raise ConfigError("config", value, "must be a HiSparseConfig, a dict, inline JSON or the "
-                                           "path of a JSON file")
-    text = value.strip()
-    if text.startswith("{"):
-        return HiSparseConfig.from_json(text, base)
-    path = Path(text).expanduser()
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise ConfigError("config", value, f"the file is not readable JSON ({e})") from None
-        return HiSparseConfig.from_dict(data, base)
-    if path.exists():
-        raise ConfigError("config", value, "is not a file: give a JSON file or inline JSON")
-    try:
-        data = json.loads(text)
-    except ValueError:
-        raise ConfigError("config", value, "no such file; give the path of a JSON file or inline "
-                                           "JSON like '{\"top_k\": 8}'") from None
-    return HiSparseConfig.from_dict(data, base)
+    ConfigErrors saying which (``HiSparseConfig.load``)."""
+    return HiSparseConfig.load(value, HiSparseConfig.tiny() if base is None else base)
 
 
 def visible_gpus() -> int:
@@ -483,52 +455,6 @@ class ReplicaSpec:
         cannot hold one hot buffer or the host pool one host block)."""
         return CoordinatorConfig.from_hisparse(self.hisparse, self.layout, self.num_device_blocks,
                                                tp_size=self.tp_size, max_batch=self.max_batch)
-
-    @property
-    def host_pool_bytes(self) -> int:
-        """Bytes of the replica's one host pool segment (header and alignment included)."""
-        from hisparse_ray.host.segment import pool_bytes
-
-        return pool_bytes(self.layout, self.num_host_blocks)
-
-    def pool_summary(self) -> str:
-        """One line for a front door to print before it starts anything: the host pool's and
-        the device pool's size, and the hot buffer's."""
-        lay, c = self.layout, self.hisparse
-        dev = self.num_device_blocks * lay.block_bytes
-        return (f"host pool: {self.num_host_blocks} blocks of {self.page_size} tokens = "
-                f"{_size(self.host_pool_bytes)} in {self.host_pool_dir} (host_pool_gib="
-                f"{c.host_pool_gib:g}); device pool: {self.num_device_blocks} blocks = "
-                f"{_size(dev)} per rank; hot buffer {c.device_buffer_size} slots per request, "
-                f"top-k {c.top_k}")
-
-    def check_host_fits(self, replicas: int = 1) -> int:
-        """Before anything starts on THIS node (the CLI's local cluster): ConfigError unless
-        ``replicas`` host pools fit ``host_pool_dir``'s free space and 95 % of MemAvailable
-        (what ``HostPool.create`` demands on the decode node). Returns their bytes."""
-        from hisparse_ray.host.segment import MAX_POOL_FRACTION, mem_available_bytes
-
-        need = replicas * self.host_pool_bytes
-        what = f"{replicas} host pools" if replicas > 1 else "the host pool"
-        try:
-            st = os.statvfs(self.host_pool_dir)
-        except OSError as e:
-            raise ConfigError("host_pool_dir", self.host_pool_dir,
-                              f"must be a directory on this node ({e.strerror})") from None
-        free, avail = st.f_bavail * st.f_frsize, mem_available_bytes()
-        if need > free:
-            raise ConfigError("host_pool_gib", self.hisparse.host_pool_gib,
-                              f"{what} ({_size(need)}) must fit the free space of "
-                              f"{self.host_pool_dir} ({_size(free)})")
-        if need > MAX_POOL_FRACTION * avail:
-            raise ConfigError("host_pool_gib", self.hisparse.host_pool_gib,
-                              f"{what} ({_size(need)}) must fit {MAX_POOL_FRACTION:.0%} of this "
-                              f"node's available memory ({_size(avail)})")
-        return need
-
-
-def _size(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
 
 
 @dataclass(frozen=True, slots=True)

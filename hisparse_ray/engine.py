@@ -59,6 +59,11 @@ class EngineConfig:
             raise ConfigError("device", self.device, "must be 'cpu', 'cuda' or 'cuda:N'")
         check_choice("backend", self.backend, ("auto", "cuda", "torch"))
         check_bool("batch_invariant", self.batch_invariant)
+        hot = -(-(self.hisparse.device_buffer_size + 1) // self.page_size)
+        if not self.full_resident and self.num_device_blocks < hot:
+            raise ConfigError("num_device_blocks", self.num_device_blocks,
+                              f"must hold one hot buffer ({hot} blocks for device_buffer_size="
+                              f"{self.hisparse.device_buffer_size}, page_size={self.page_size})")
 
     def layout(self, model_cfg: Any, dtype: torch.dtype) -> KVLayout:
         itemsize = torch.empty((), dtype=dtype).element_size()

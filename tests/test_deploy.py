@@ -156,3 +156,46 @@ def test_landing_shape_builds_and_prefills_with_tp2_divisible_heads():
     _, rows, keys = model.prefill(torch.tensor([1, 5, 9, 2]))
     assert rows.shape == (2, 4, 576) and keys.shape == (2, 4, 128)
     assert model.cfg.num_attention_heads % 2 == 0
+
+
+def test_a_config_that_does_not_fit_the_model_is_refused_by_every_front_door():
+    """Issue 15 item 4: ``ReplicaSpec`` accepted top_k 4 with a 6-slot hot buffer on a model
+    that selects 8 positions; the ranks then failed mid-step. Every spec and option refuses it,
+    naming top_k, before anything starts."""
+    small = HiSparseConfig(top_k=4, device_buffer_size=6, host_to_device_ratio=4,
+                           swap_in_block_size=64, host_pool_gib=0.01)
+    wide = HiSparseConfig(top_k=16, device_buffer_size=16, host_to_device_ratio=4,
+                          swap_in_block_size=64, host_pool_gib=0.01)
+    for make in (lambda: ReplicaSpec(hisparse=small),
+                 lambda: ReplicaSpec(hisparse=wide, model=ModelSpec(kind="glm_moe_dsa")),
+                 lambda: ReplicaSpec(hisparse=small, model=ModelSpec(shape="landing",
+                                                                      num_layers=2)),
+                 lambda: DeployOptions(config=small),
+                 lambda: DeployOptions.from_dict({"config": {"top_k": 4, "device_buffer_size": 6}})):
+        with pytest.raises(ConfigError) as ei:
+            make()
+        assert ei.value.key == "top_k" and "index_topk (8)" in str(ei.value)
+
+
+def test_keys_left_out_take_the_built_in_defaults_not_sglangs():
+    """Issue 15 item 6: the front doors fill a partial config from ``HiSparseConfig.tiny()`` (the
+    built-in models' sizes); ``HiSparseConfig.from_json`` itself keeps SGLang's defaults."""
+    partial = '{"top_k": 8, "device_buffer_size": 16}'
+    assert load_config(partial) == load_config(json.loads(partial)) == HiSparseConfig.tiny()
+    assert DeployOptions.from_dict({"config": partial}).config.host_pool_gib == 0.01
+    assert HiSparseConfig.from_json(partial).host_pool_gib == 4.0  # SGLang's production default
+    base = HiSparseConfig(top_k=2048, device_buffer_size=4096)
+    assert load_config('{"host_pool_gib": 8}', base) == HiSparseConfig(host_pool_gib=8)
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        load_config("[1, 2]")
+    with pytest.raises(ConfigError, match="must be a HiSparseConfig, a dict"):
+        load_config(7)
+
+
+def test_spec_errors_name_the_option_the_user_gave():
+    with pytest.raises(ConfigError, match="^invalid config tp=3: must divide"):
+        DeployOptions(tp=3)
+    with pytest.raises(ConfigError, match="^invalid config model_layers=0"):
+        DeployOptions(model_layers=0)
+    with pytest.raises(ConfigError, match="^invalid config tp_size=3"):
+        ReplicaSpec(tp_size=3)

@@ -24,9 +24,9 @@ from hisparse_ray.errors import HostPoolError
 from hisparse_ray.host.segment import (  # noqa: F401  (re-exported: the pool's public surface)
     CREATING, DEFAULT_PREFIX, EVENT_OFFSET, EVENT_SLOT, HEADER_BYTES, HEADER_STRUCT, MAGIC,
     MAX_POOL_FRACTION, MAX_REGISTER_BYTES, READY, REGISTER_FLAGS, SEQ_OFFSET, SHM_DIR, STATE_OFFSET,
-    VERSION, HostSharing, cleanup_stale, layer_stride, list_segments, mapped_segments,
-    mem_available_bytes, physical_pool_bytes, pool_bytes, prefault, proc_stat, read_header,
-    register_chunks, unlink_quiet,
+    VERSION, HostSharing, cleanup_stale, fit_problem, layer_stride, list_segments,
+    mapped_segments, mem_available_bytes, physical_pool_bytes, pool_bytes, prefault, proc_stat,
+    read_header, register_chunks, unlink_quiet,
 )
 from hisparse_ray.host.sync import IpcEventRing, Publication, SharedCounter, spin_until
 
@@ -117,15 +117,12 @@ class HostPool:
         register = torch.cuda.is_available() if register_cuda is None else bool(register_cuda)
         cleanup_stale(prefix, shm_dir)
         stride, total = layer_stride(layout, num_blocks), pool_bytes(layout, num_blocks)
-        avail = mem_available_bytes()
-        if total > MAX_POOL_FRACTION * avail:
-            raise HostPoolError(
-                f"host pool of {total} bytes ({total / GIB:.2f} GiB) exceeds "
-                f"{MAX_POOL_FRACTION:.0%} of available memory ({avail} bytes, {avail / GIB:.2f} GiB)")
-        st = os.statvfs(shm_dir)
-        if total > st.f_bavail * st.f_frsize:
-            free = st.f_bavail * st.f_frsize
-            raise HostPoolError(f"host pool of {total} bytes does not fit {shm_dir} ({free} bytes free)")
+        try:
+            why = fit_problem(total, shm_dir)
+        except OSError as e:
+            raise HostPoolError(f"cannot use {shm_dir} for a host pool: {e}") from None
+        if why:
+            raise HostPoolError(f"host pool of {total} bytes ({total / GIB:.2f} GiB) {why}")
         name = f"{prefix}.{replica_id}.{secrets.token_hex(4)}"
         path = os.path.join(shm_dir, name)
         try:

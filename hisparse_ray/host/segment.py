@@ -73,6 +73,21 @@ def mem_available_bytes() -> int:
     raise HostPoolError("MemAvailable not found in /proc/meminfo")
 
 
+def fit_problem(nbytes: int, shm_dir: str = SHM_DIR) -> str | None:
+    """Why ``nbytes`` of host pool cannot be made in ``shm_dir`` on this node now (more than 95 %
+    of MemAvailable, or more than the directory's free space), or None when it fits: the rule
+    ``HostPool.create`` enforces, for front doors to check before anything starts. OSError when
+    ``shm_dir`` is not there."""
+    st = os.statvfs(shm_dir)
+    avail, free = mem_available_bytes(), st.f_bavail * st.f_frsize
+    if nbytes > MAX_POOL_FRACTION * avail:
+        return (f"exceeds {MAX_POOL_FRACTION:.0%} of available memory ({avail} bytes, "
+                f"{avail / GIB:.2f} GiB)")
+    if nbytes > free:
+        return f"does not fit {shm_dir} ({free} bytes, {free / GIB:.2f} GiB free)"
+    return None
+
+
 def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks) of a live pid, None if it does not exist."""
     try:
