@@ -41,10 +41,11 @@ def pool_summary(spec: ReplicaSpec) -> str:
 
     lay, c = spec.layout, spec.hisparse
     host = pool_bytes(lay, spec.num_host_blocks)
+    device = spec.num_device_blocks * lay.block_bytes
     return (f"host pool: {spec.num_host_blocks} blocks of {spec.page_size} tokens = "
             f"{_size(host)} in {spec.host_pool_dir} (host_pool_gib={c.host_pool_gib:g}); device "
-            f"pool: {spec.num_device_blocks} blocks = {_size(spec.num_device_blocks * lay.block_bytes)}"
-            f" per rank; hot buffer {c.device_buffer_size} slots per request, top-k {c.top_k}")
+            f"pool: {spec.num_device_blocks} blocks = {_size(device)} per rank; hot buffer "
+            f"{c.device_buffer_size} slots per request, top-k {c.top_k}")
 
 
 def check_host_fits(spec: ReplicaSpec, replicas: int = 1) -> int:

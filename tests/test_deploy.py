@@ -171,7 +171,8 @@ def test_a_config_that_does_not_fit_the_model_is_refused_by_every_front_door():
                  lambda: ReplicaSpec(hisparse=small, model=ModelSpec(shape="landing",
                                                                       num_layers=2)),
                  lambda: DeployOptions(config=small),
-                 lambda: DeployOptions.from_dict({"config": {"top_k": 4, "device_buffer_size": 6}})):
+                 lambda: DeployOptions.from_dict({"config": {"top_k": 4,
+                                                             "device_buffer_size": 6}})):
         with pytest.raises(ConfigError) as ei:
             make()
         assert ei.value.key == "top_k" and "index_topk (8)" in str(ei.value)
