@@ -18,11 +18,17 @@ from typing import Any, Sequence
 
 import torch
 
-from hisparse_ray.checks import check_bool, check_choice, check_int, check_type
+from hisparse_ray.checks import (
+    check_bool, check_choice, check_int, check_optional_number, check_type,
+)
 from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.core.coordinator import Coordinator
-from hisparse_ray.errors import ConfigError, DuplicateRequestError, InvalidRequestError, StateError
+from hisparse_ray.errors import (
+    CapacityError, ConfigError, DuplicateRequestError, InvalidRequestError, StateError,
+)
+from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.host.pool import HostPool
+from hisparse_ray.kernels.kvfp8 import KV_DTYPES, row_codec
 from hisparse_ray.rank.executor import HiSparseWorker, SamplingParams
 from hisparse_ray.types import RequestId, RequestState
 
@@ -34,8 +40,19 @@ class EngineConfig:
     """Sizing of one in-process engine.
 
     num_device_blocks: device pool blocks (``page_size`` rows per layer each) for resident pages and
-        hot buffers; ignored (grown) in full-resident mode.
+        hot buffers; ignored (grown) in full-resident mode unless ``device_pool_gib`` is set.
     full_resident: every request lands on resident device pages (the exactness baseline).
+    device_pool_gib: the GPU memory budget of the KV device pool, the same for both modes (it
+        replaces ``num_device_blocks``). Full-resident mode then has no host tier: a request
+        reserves device blocks for its whole life at admission and waits while they do not fit,
+        the honest capacity baseline. None: full-resident grows its pool to what the host pool
+        would hold (every request fits: the exactness baseline).
+    kv_cache_dtype: how KV rows are stored (host pool, device pool, landing bytes): "auto" (the
+        model's dtype), "fp32", "bf16" or "fp8" (DeepSeek-V3.2's 656 B layout; attention reads
+        dequantized rows), independent of the weights' dtype.
+    fast_path: decode through the fast step (:mod:`hisparse_ray.fastpath`: batched, paged GPU
+        index keys, FlashMLA / DeepGEMM where they run, CUDA graphs per bucket); None = the
+        reference path. Its largest bucket must hold ``max_batch``.
     device: "cpu", "cuda" or "cuda:N". backend: the resolver's ("auto", "cuda", "torch").
     Every field is checked at construction (ConfigError naming it); ``Engine`` then checks the
     HiSparse config against the model (``HiSparseConfig.check_model``).
@@ -49,6 +66,9 @@ class EngineConfig:
     device: str = "cpu"
     backend: str = "auto"
     batch_invariant: bool = True  # see HiSparseWorker and DSAModel.prefill: exact; False = throughput
+    kv_cache_dtype: str = "auto"
+    device_pool_gib: float | None = None
+    fast_path: FastPathConfig | None = None
 
     def __post_init__(self) -> None:
         check_type("hisparse", self.hisparse, HiSparseConfig)
@@ -59,16 +79,28 @@ class EngineConfig:
             raise ConfigError("device", self.device, "must be 'cpu', 'cuda' or 'cuda:N'")
         check_choice("backend", self.backend, ("auto", "cuda", "torch"))
         check_bool("batch_invariant", self.batch_invariant)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_DTYPES))
+        check_optional_number("device_pool_gib", self.device_pool_gib, lo=0, lo_open=True,
+                              why="GiB")
         hot = -(-(self.hisparse.device_buffer_size + 1) // self.page_size)
-        if not self.full_resident and self.num_device_blocks < hot:
+        if not self.full_resident and self.device_pool_gib is None and \
+                self.num_device_blocks < hot:
             raise ConfigError("num_device_blocks", self.num_device_blocks,
                               f"must hold one hot buffer ({hot} blocks for device_buffer_size="
                               f"{self.hisparse.device_buffer_size}, page_size={self.page_size})")
+        if self.fast_path is not None:
+            check_type("fast_path", self.fast_path, FastPathConfig, "a FastPathConfig or None")
+            if self.fast_path.max_batch < self.max_batch:
+                raise ConfigError("fast_path.buckets", self.fast_path.buckets,
+                                  f"the largest bucket must hold max_batch={self.max_batch}")
+
+    def codec(self, model_cfg: Any, dtype: torch.dtype):
+        """The KV row codec of ``kv_cache_dtype`` for this model."""
+        return row_codec(self.kv_cache_dtype, model_cfg, dtype)
 
     def layout(self, model_cfg: Any, dtype: torch.dtype) -> KVLayout:
-        itemsize = torch.empty((), dtype=dtype).element_size()
         return KVLayout(num_layers=model_cfg.num_hidden_layers, page_size=self.page_size,
-                        row_bytes=model_cfg.row_dim * itemsize)
+                        row_bytes=self.codec(model_cfg, dtype).row_bytes)
 
 
 @dataclass
@@ -96,19 +128,27 @@ class Engine:
                               f"must hold at least one host block ({self.layout.block_bytes} B)")
         hot_blocks = -(-(c.hisparse.device_buffer_size + 1) // c.page_size)
         num_device = c.num_device_blocks
-        if c.full_resident:
+        if c.device_pool_gib is not None:
+            num_device = int(c.device_pool_gib * (1 << 30)) // self.layout.block_bytes
+            if num_device < hot_blocks:
+                raise ConfigError("device_pool_gib", c.device_pool_gib,
+                                  f"must hold one hot buffer ({hot_blocks} blocks of "
+                                  f"{self.layout.block_bytes} B)")
+        elif c.full_resident:
             num_device = max(num_device, num_host + hot_blocks)
         self.core = Coordinator(CoordinatorConfig(
             num_device_blocks=num_device, num_host_blocks=num_host, page_size=c.page_size,
             device_buffer_size=c.hisparse.device_buffer_size, max_batch=c.max_batch,
-            page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token))
+            page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token,
+            host_tier=not (c.full_resident and c.device_pool_gib is not None)))
         self.pool = HostPool.create(f"engine{os.getpid()}-{next(_ids)}", self.layout, num_host)
         self.pool.unlink()  # private: nothing attaches, so no exit path leaves the segment behind
         try:
             self.worker = HiSparseWorker(
                 model, c.hisparse, self.layout, num_device, self.pool, device=c.device,
                 max_requests=max(c.max_batch, num_device) + 1, backend=c.backend,
-                batch_invariant=c.batch_invariant)
+                batch_invariant=c.batch_invariant, kv_codec=c.codec(model.cfg, model.dtype),
+                fast=c.fast_path)
         except BaseException:
             self.pool.destroy()
             raise
@@ -131,6 +171,10 @@ class Engine:
         bad = [t for t in p.prompt if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise InvalidRequestError(rid, f"token {bad[0]!r} is not an id in [0, {vocab}) of this model")
+        fast = self.config.fast_path
+        if fast is not None and len(p.prompt) + max_new_tokens > fast.max_context:
+            raise CapacityError(f"positions of request {rid!r} (fast_path.max_context)",
+                                len(p.prompt) + max_new_tokens, fast.max_context)
         adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id)  # validates first
         self._known[rid] = p
         self.worker.set_sampling(rid, sampling or SamplingParams())

@@ -18,6 +18,7 @@ from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.deploy import MODEL_KINDS, DeployOptions, ModelSpec, PrefillSpec, ReplicaSpec
 from hisparse_ray.engine import EngineConfig
 from hisparse_ray.errors import ConfigError
+from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.model.config import KINDS, DSAConfig, RopeConfig, tiny_config
 from hisparse_ray.model.plan import PrefillPlan
 from hisparse_ray.rank.executor import SamplingParams
@@ -53,6 +54,7 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "max_batch": [True, 0],
         "page_bytes": [True, -1],
         "row_bytes": [True, -1],
+        "host_tier": [1, None],
     }),
     EngineConfig: ({}, {
         "hisparse": [None, {"top_k": 8}],
@@ -63,6 +65,18 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "device": ["tpu", "cuda:x", None, 0],
         "backend": ["tpu", None],
         "batch_invariant": [0, "true"],
+        "kv_cache_dtype": ["fp16", None],
+        "device_pool_gib": [0, -1.0, True, "1", NAN],
+        "fast_path": ["fast", FastPathConfig(buckets=(1, 2))],  # 2 < max_batch 16
+    }),
+    FastPathConfig: ({}, {
+        "max_context": [0, True],
+        "buckets": [(), (2, 1), (0, 4), [1, 2], (1, True)],
+        "index_key_dtype": ["fp16"],
+        "attention": ["cudnn"],
+        "logits": ["torch"],
+        "cuda_graphs": [1],
+        "index_pages": [0, True],
     }),
     SamplingParams: ({}, {
         "temperature": ["0.7", True, -0.1, NAN, INF, None],
@@ -169,8 +183,10 @@ def _field_rows():
 def test_every_field_refuses_a_bad_value_naming_it(cls, base, key, value):
     with pytest.raises(ConfigError) as ei:
         cls(**{**base, key: value})
-    # the spec's ``theta`` is HF's ``rope_theta``; everything else is named as the field
-    assert ei.value.key == {"theta": "rope_theta"}.get(key, key)
+    # the spec's ``theta`` is HF's ``rope_theta``; a fast path too small for the batch names its
+    # buckets; everything else is named as the field
+    assert ei.value.key == {"theta": "rope_theta", "fast_path": "fast_path" if isinstance(
+        value, str) else "fast_path.buckets"}.get(key, key)
     assert str(ei.value).startswith(f"invalid config {ei.value.key}=")
 
 
