@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hisparse_ray.checks import check_int, check_number
 from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.errors import ConfigError, StateError
 from hisparse_ray.fastpath.config import FastPathConfig
@@ -44,8 +45,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ConfigError("temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        check_number("temperature", self.temperature, lo=0, why="0 = greedy")
+        check_int("seed", self.seed, lo=0, hi=2**64 - 1, why="a torch generator seed")
 
 
 class _Sampler:
@@ -96,6 +97,7 @@ class HiSparseWorker:
         self.model, self.cfg, self.layout, self.pool, self.rank = model, cfg, layout, pool, rank
         self.device = torch.device(device)
         mcfg = model.cfg
+        cfg.check_model(mcfg.index_topk, model=f"the {mcfg.kind} model")
         L = mcfg.num_hidden_layers
         if L != layout.num_layers:
             raise ConfigError("num_layers", layout.num_layers, f"must equal the model's {L} layers")
