@@ -18,13 +18,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout, kv_row_bytes
 from hisparse_ray.errors import ConfigError
+from hisparse_ray.fastpath.config import deployment_fast_path
 
 #: ``landing_push_with_prefill`` values
 PUSH_WITH_PREFILL = ("auto", "always", "never")
 #: option groups: the CLI's ``demo`` and ``generate`` take the first four, ``serve`` all
 GROUPS = ("model", "replica", "prefill", "request", "serve")
+#: ``fast_path`` values; ``kv_cache_dtype`` / ``index_key_dtype`` values
+FAST_PATH = ("auto", "on", "off")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp8")
 
 
 def _opt(default: Any, help: str, group: str, *, kind: str = "", choices: tuple = (),
@@ -49,8 +53,9 @@ class DeployOptions:
     # -- the model every actor builds
     model: str = _opt("deepseek_v32", "built-in model kind: deepseek_v32 or glm_moe_dsa", "model")
     seed: int = _opt(0, "model weights seed (identical on every actor)", "model")
-    dtype: str = _opt("float32", "model and KV dtype (float32 keeps greedy choices robust to "
-                      "batching differences in the exactness checks)", "model",
+    dtype: str = _opt("float32", "model dtype, and the KV rows' unless kv_cache_dtype says "
+                      "(float32 keeps greedy choices robust to batching differences in the "
+                      "exactness checks)", "model",
                       choices=("float32", "bfloat16"))
     model_shape: str = _opt("tiny", "tiny: 4 layers of 48-value rows; landing: DeepSeek-V3.2's KV "
                             "bytes per token around a tiny network (benchmarks)", "model",
@@ -94,6 +99,13 @@ class DeployOptions:
                                           "another landing, always, never", "replica",
                                           choices=PUSH_WITH_PREFILL)
     replica_id: str = _opt("r0", "names the replica's host pool and placement group", "replica")
+    fast_path: str = _opt("auto", "decode with the fast step (batched, paged GPU index keys, "
+                          "FlashMLA / DeepGEMM, CUDA graphs): on, off (the reference path), auto = "
+                          "on with CUDA and FlashMLA on an sm90 GPU", "replica", choices=FAST_PATH)
+    kv_cache_dtype: str = _opt("auto", "KV rows in every pool and landing: auto = the model dtype, "
+                               "fp32, bf16, fp8 (656 B rows)", "replica", choices=KV_CACHE_DTYPES)
+    index_key_dtype: str = _opt("auto", "the fast path's GPU index keys: auto = the model dtype, "
+                                "fp32, bf16, fp8", "replica", choices=KV_CACHE_DTYPES)
     # -- one prefill worker
     max_prompt_tokens: int = _opt(4096, "prefill send buffer: the longest prompt", "prefill")
     prefill_gpus: float = _opt(0.0, "GPU share of the prefill worker", "prefill")
@@ -177,9 +189,13 @@ class DeployOptions:
             replica_id=self.replica_id, step_yield_s=self.step_yield_s,
             landing_layer_groups=self.landing_layer_groups,
             landing_call_timeout_s=self.landing_call_timeout_s,
-            landing_push_with_prefill=self.landing_push_with_prefill)
+            landing_push_with_prefill=self.landing_push_with_prefill,
+            kv_cache_dtype=self.kv_cache_dtype, fast_path=deployment_fast_path(
+                self.fast_path, gpus_per_rank, self.max_prompt_tokens + self.max_new_tokens_limit,
+                self.max_batch, self.index_key_dtype))
         prefill = PrefillSpec(model=model, max_prompt_tokens=self.max_prompt_tokens,
-                              gpus=self.prefill_gpus, cpus=self.prefill_cpus)
+                              gpus=self.prefill_gpus, cpus=self.prefill_cpus,
+                              kv_cache_dtype=self.kv_cache_dtype)
         return replica, prefill
 
 
@@ -310,12 +326,15 @@ class ModelSpec:
         return build_random_model(self.dsa_config(), self.seed, dtype=self.torch_dtype(),
                                   device=device)
 
-    def kv_layout(self, page_size: int) -> KVLayout:
-        """The KV row layout of this model: ``row_dim`` values of ``dtype`` per (token, layer)."""
+    def kv_layout(self, page_size: int, kv_cache_dtype: str = "auto") -> KVLayout:
+        """The KV row layout of this model: one row per (token, layer) in ``kv_cache_dtype``
+        ("auto": ``row_dim`` values of ``dtype``; fp8: DeepSeek-V3.2's row layout)."""
         cfg = self.dsa_config()
-        itemsize = 4 if self.dtype == "float32" else 2
+        kind = kv_cache_dtype
+        if kind == "auto":
+            kind = "fp32" if self.dtype == "float32" else "bf16"
         return KVLayout(num_layers=cfg.num_hidden_layers, page_size=page_size,
-                        row_bytes=cfg.row_dim * itemsize)
+                        row_bytes=kv_row_bytes(kind, cfg.kv_lora_rank, cfg.qk_rope_head_dim))
 
     def tokenizer(self) -> "ByteTokenizer | None":
         """The built-in models' byte tokenizer when the vocabulary is its (96 ids), else None."""
@@ -345,7 +364,9 @@ class ReplicaSpec:
     TP group), above 0.5 each rank has its own (NCCL; the ranks still share one host pool).
     Construction checks the pool sizing the coordinator core will schedule against
     (``core_config``). ``landing_push_with_prefill`` also takes True / False ("always" /
-    "never")."""
+    "never"). ``kv_cache_dtype`` sizes every pool's rows (``layout``; the prefill workers must
+    send the same, ``PrefillSpec.kv_cache_dtype``); ``fast_path`` is the ranks' fast decode step
+    (a ``FastPathConfig``; None: the reference path), resolved from the option by ``specs()``."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
@@ -364,6 +385,8 @@ class ReplicaSpec:
     landing_layer_groups: int = _D["landing_layer_groups"]
     landing_call_timeout_s: float = _D["landing_call_timeout_s"]
     landing_push_with_prefill: str = _D["landing_push_with_prefill"]
+    kv_cache_dtype: str = _D["kv_cache_dtype"]
+    fast_path: Any = None  # FastPathConfig | None (hisparse_ray.fastpath.config)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -390,7 +413,11 @@ class ReplicaSpec:
                               f"must be one of {', '.join(PUSH_WITH_PREFILL)} (or a bool)")
         if self.step_yield_s is not None and self.step_yield_s < 50e-6:
             raise ConfigError("step_yield_s", self.step_yield_s, "must be >= 50e-6 s or None")
-        self.core_config  # noqa: B018 - the pools must hold one hot buffer and one host block
+        if self.fast_path is not None:
+            from hisparse_ray.fastpath.config import check_fast_path
+
+            check_fast_path(self.fast_path, self.max_batch)
+        self.core_config  # noqa: B018 - pools holding a hot buffer and a host block; kv_cache_dtype
 
     @property
     def use_cuda(self) -> bool:
@@ -411,7 +438,7 @@ class ReplicaSpec:
 
     @property
     def layout(self) -> KVLayout:
-        return self.model.kv_layout(self.page_size)
+        return self.model.kv_layout(self.page_size, self.kv_cache_dtype)
 
     @property
     def num_host_blocks(self) -> int:
@@ -438,7 +465,10 @@ class PrefillSpec:
     batch_invariant: the exact prefill (``DSAModel.prefill``: every position's KV bitwise what
     decode computes, so reused prefixes stay exact; see docs/architecture.md "Exactness
     contract"). It computes per token row (on a GPU one position at a time): False batches the
-    prefill's matmuls, for benchmarks and real-size models (rows then differ in the last bits)."""
+    prefill's matmuls, for benchmarks and real-size models (rows then differ in the last bits).
+
+    kv_cache_dtype: the KV rows' bytes it sends (``kernels/kvfp8.py``'s codec); must be the
+    replica's (``ReplicaSpec.kv_cache_dtype``; ``add_prefill`` refuses a worker whose rows differ)."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     max_prompt_tokens: int = _D["max_prompt_tokens"]
@@ -447,6 +477,10 @@ class PrefillSpec:
     name: str = "prefill0"
     synthetic_kv: bool = False
     batch_invariant: bool = True
+    kv_cache_dtype: str = _D["kv_cache_dtype"]
+
+    def __post_init__(self) -> None:
+        self.model.kv_layout(1, self.kv_cache_dtype)  # ConfigError naming kv_cache_dtype
 
     @property
     def use_cuda(self) -> bool:
