@@ -116,7 +116,7 @@ class HiSparseWorker:
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
         self.on_logits: Any = None  # on_logits(cmd, logits [B, V]) after each forward (tests, tools)
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
-                         "backups": 0}
+                         "backups": 0, "fast_steps": 0}
 
     def _host_view(self, l: int) -> Tensor:
         """The host layer as the resolver reads it: the UVA alias on GPU, the mapping on CPU."""
@@ -229,6 +229,7 @@ class HiSparseWorker:
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
         self.counters["steps"] += 1
+        self.counters["fast_steps"] += fast
         self.counters["hot_hits"] += hits
         self.counters["hot_misses"] += misses
         return StepReport(
