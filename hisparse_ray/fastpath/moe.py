@@ -6,8 +6,12 @@ Two formulations, same contract as ``MoE.forward`` (``x [B, hidden] -> [B, hidde
 bucket's rows, padded rows included):
 
 * **masked grouped GEMMs** (CUDA sm90 with DeepGEMM, bf16 activations, B <=
-  ``Experts.MASKED_MAX_TOKENS``): ``Experts``' own masked layout, one grouped kernel per
-  projection for every expert at once, expert counts computed on the device;
+  ``Experts.MASKED_MAX_TOKENS``): ``Experts``' masked layout (``kernels/fp8_gemm.py``
+  ``grouped_linear_masked``), one grouped kernel per projection for every expert at once, expert
+  counts computed on the device. The products go back to their (token, expert) rows by a
+  permutation and each token adds its experts' outputs in ascending expert id: no ``index_add_``
+  (its CUDA atomics add a token's experts in a varying order, so bf16 sums would differ from run
+  to run and between HiSparse and full-resident);
 * **every expert, masked** (elsewhere: the CPU, GPUs without DeepGEMM): each expert in ascending
   id multiplies all B rows (a static loop of ``[B, hidden]`` GEMMs), rows that did not pick it are
   masked out before the add. That is ``n_routed_experts / num_experts_per_tok`` times the routed
@@ -23,19 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _expert_mm(experts, x: Tensor, name: str, e: int) -> Tensor:
-    """``x @ expert e's weight.T`` (the experts' own product: fp8 block weights through theirs)."""
-    mm = getattr(experts, "_mm", None)
-    if mm is not None:
-        return mm(x, name, e)
-    return F.linear(x, getattr(experts, name)[e])
-
-
 def masked_kernel(experts, x: Tensor) -> bool:
-    """Whether ``experts`` take ``x`` through their masked grouped kernel (sync-free)."""
-    check = getattr(experts, "_masked_kernel", None)
-    return (check is not None and x.is_cuda and x.shape[0] <= experts.MASKED_MAX_TOKENS
-            and getattr(experts, "fp8_backend", "kernel") == "kernel" and check(x))
+    """Whether ``experts`` (``model.layers.Experts``) take ``x`` through their masked grouped
+    kernel (sync-free): the condition of ``Experts.forward_grouped``."""
+    return (x.is_cuda and x.shape[0] <= experts.MASKED_MAX_TOKENS
+            and experts.fp8_backend == "kernel" and experts._masked_kernel(x))
 
 
 def every_expert(experts, x: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
@@ -45,9 +41,39 @@ def every_expert(experts, x: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
     for e in range(experts.gate_up_proj.shape[0]):
         hit = chosen == e  # an expert is picked at most once per token
         w = torch.where(hit, weights, 0.0).sum(-1, keepdim=True)  # [B, 1] fp32: exact (one term)
-        gate, up = _expert_mm(experts, x, "gate_up_proj", e).chunk(2, dim=-1)
-        y = (_expert_mm(experts, F.silu(gate) * up, "down_proj", e) * w).to(out.dtype)
+        gate, up = experts._mm(x, "gate_up_proj", e).chunk(2, dim=-1)  # fp8 weights: their GEMM
+        y = (experts._mm(F.silu(gate) * up, "down_proj", e) * w).to(out.dtype)
         out += torch.where(hit.any(-1, keepdim=True), y, 0.0)
+    return out
+
+
+def masked_grouped(experts, x: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
+    """Routed output ``[B, hidden]`` by the masked grouped kernels (see the module doc): deterministic,
+    no host sync. ``weights [B, k]`` fp32, ``chosen [B, k]`` expert ids."""
+    from hisparse_ray.kernels import fp8_gemm
+
+    E, (B, k) = experts.gate_up_proj.shape[0], chosen.shape
+    chosen, by_id = chosen.sort(dim=-1)  # each token's experts in ascending id: the add order
+    weights = weights.gather(1, by_id)
+    flat = chosen.reshape(-1)  # pair r = (token r // k, its (r % k)-th expert)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within
+    ex = flat[order]
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    pos = torch.arange(B * k, device=x.device) - (torch.cumsum(counts, 0) - counts)[ex]
+    masked_m, expected = counts.to(torch.int32), max(1, B * k // E)
+
+    def grouped(rows: Tensor, name: str) -> Tensor:  # an expert sees a token at most once: <= B rows
+        scale = getattr(experts, f"{name}_scale_inv") if experts.fp8_block is not None else None
+        return fp8_gemm.grouped_linear_masked(rows.contiguous(), ex, pos, masked_m, B,
+                                              getattr(experts, name), scale, expected_m=expected)
+
+    gate, up = grouped(x[order // k], "gate_up_proj").chunk(2, dim=-1)
+    y = x.new_empty(B * k, x.shape[1])
+    y[order] = grouped(F.silu(gate) * up, "down_proj")  # back to pair order: a permutation
+    y = (y.view(B, k, -1) * weights[..., None]).to(x.dtype)
+    out = torch.zeros_like(x)
+    for j in range(k):
+        out += y[:, j]
     return out
 
 
@@ -56,10 +82,7 @@ def moe_step(moe, x: Tensor) -> Tensor:
     weights, chosen = moe.gate(x)
     ex = moe.experts
     if masked_kernel(ex, x):
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        k = chosen.shape[1]
-        routed = ex._grouped_masked(x, weights, flat, order, order // k, order % k)
+        routed = masked_grouped(ex, x, weights, chosen)
     else:
         routed = every_expert(ex, x, weights, chosen)
     return routed + moe.shared_experts(x)

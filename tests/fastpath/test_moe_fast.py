@@ -45,6 +45,24 @@ def test_every_expert_matches_the_reference_and_ignores_batch_mates(moe_model, n
         assert torch.equal(moe_step(moe, y)[0], moe_step(moe, x)[0])
 
 
+def test_masked_grouped_combines_each_tokens_experts_in_order(moe_model, monkeypatch):
+    """The kernel path's bookkeeping on the CPU (the grouped GEMM replaced by its torch twin):
+    products back to their (token, expert) pairs, weighted, added in ascending expert id."""
+    from hisparse_ray.fastpath.moe import masked_grouped
+    from hisparse_ray.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "grouped_linear_masked", fp8_gemm.grouped_linear_masked_reference)
+    moe = moe_model.model.layers[2].mlp
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 3, 16):
+        x = torch.randn(n, moe_model.cfg.hidden_size, generator=g)
+        with torch.no_grad():
+            weights, chosen = moe.gate(x)
+            got = masked_grouped(moe.experts, x, weights, chosen)
+            want = moe.experts.forward_reference(x, weights, chosen)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("kv", ["fp32", "fp8"])
 def test_moe_one_bucket_equals_full_resident_through_spills(moe_model, kv):
     prompts = prompts_of([8 * H + 5, 40, 3, 9 * H], moe_model.cfg.vocab_size, seed=11)
