@@ -8,6 +8,11 @@ through rank 0's GPU staging pool, index keys land in the paged fp8 pool.
   through host and resident landings, spills and a reused prefix.
 * TP 2, fp32 (bf16 tokens of TP 2 differ from TP 1 by the all-reduce order): one GPU (gloo,
   eager) and one GPU per rank (NCCL, graphs with the all-reduce inside); tokens equal TP 1.
+* The library kernels in the actor path: a model folder (released format) of FlashMLA /
+  DeepGEMM-sized dims (16 heads padded to 64, 512 + 64 rows, 64 x 128 index heads, top-k 128, a
+  MoE layer of 16 experts): bf16 weights + bf16 rows (FlashMLA's sparse bf16 kernel), fp8
+  weights + fp8 rows + fp8 keys (FlashMLA's fp8 decode, DeepGEMM's paged logits, fp8 GEMMs and
+  masked grouped fp8 experts); tokens equal full-resident bit for bit.
 """
 
 from __future__ import annotations
@@ -100,3 +105,55 @@ def test_tp2_fast_step_equals_tp1(ray_cluster, gpus_per_rank):
         assert rows[rid]["error"] is None, rows[rid]
         assert rows[rid]["tokens"] == ref[rid], rid
     assert all(s["fast_steps"] > 0 and s["error"] is None for s in stats)
+
+
+def _kernel_folder(tmp_path, fp8: bool):
+    import torch
+
+    from hisparse_ray.model.config import tiny_config
+    from hisparse_ray.model.model import build_random_model
+    from tests.model._checkpoint import write_released
+
+    cfg = tiny_config(yarn=False).with_(
+        vocab_size=512, hidden_size=512, intermediate_size=512, moe_intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=16, q_lora_rank=256, kv_lora_rank=512,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, index_n_heads=64,
+        index_head_dim=128, index_topk=128, max_position_embeddings=8192, n_routed_experts=16,
+        num_experts_per_tok=4, mlp_layer_types=("dense", "sparse"), indexer_types=("full", "full"))
+    model = build_random_model(cfg, 5, dtype=torch.bfloat16)
+    return write_released(model, tmp_path / ("fp8" if fp8 else "bf16"), fp8=fp8, tokenizer=False,
+                          mtp=False)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-weights-rows", "fp8-weights-rows-keys"])
+def test_library_kernels_in_the_actor_path_equal_full_resident(ray_cluster, tmp_path, fp8):
+    from hisparse_ray.config import HiSparseConfig
+
+    kv = "fp8" if fp8 else "bf16"
+    model = ModelSpec(kind=str(_kernel_folder(tmp_path, fp8)), dtype="bfloat16")
+    hs = HiSparseConfig(top_k=128, device_buffer_size=256, host_to_device_ratio=4,
+                        swap_in_block_size=1024, host_pool_gib=0.05)
+    spec = ReplicaSpec(model=model, hisparse=hs, tp_size=1, gpus_per_rank=0.4, max_batch=4,
+                       num_device_blocks=60, staging_blocks=80, page_size=16,
+                       replica_id=f"fast-lib-{kv}", kv_cache_dtype=kv,
+                       fast_path=FastPathConfig(  # the kernels asked for: a rank that cannot
+                           max_context=2048, buckets=(4,),  # run them fails to build, loudly
+                           index_key_dtype="fp8" if fp8 else "bf16", attention="flashmla",
+                           logits="deepgemm" if fp8 else "reference"))
+    rng = random.Random(5)
+    first = [(f"k{i}", [rng.randrange(1, 500) for _ in range(n)])
+             for i, n in enumerate((700, 300, 1000, 90))]
+    second = [("again0", first[0][1][:512] + [3, 4, 5])]
+    rep = _deploy(spec, 0.2)
+    try:
+        rows = _run(rep, [first, second], 24)
+        stats = ray.get(rep.ranks[0].stats.remote())
+    finally:
+        rep.shutdown()
+    ref = replica_baseline(spec, [p for _, p in first + second], 24,
+                           [r for r, _ in first + second])
+    print(f"\n{kv}: {stats}")
+    for rid, _ in first + second:
+        assert rows[rid]["error"] is None, rows[rid]
+        assert rows[rid]["tokens"] == ref[rid], rid
+    assert stats["fast_steps"] > 0 and stats["hot_misses"] > 0 and stats["error"] is None
