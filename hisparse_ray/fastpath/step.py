@@ -121,7 +121,9 @@ class FastDecodeStep:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g, pool=self._pool):
+                # thread_local: a rank actor's other threads (landings under the executor lock,
+                # NIXL's progress thread, stats calls) may use CUDA while its step thread captures
+                with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                     self._body(bucket)
             except RuntimeError as e:  # a kernel library that cannot be captured: stay eager
                 self.use_graphs, self.capture_error = False, f"{type(e).__name__}: {e}"
