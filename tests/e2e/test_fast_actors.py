@@ -68,7 +68,8 @@ def test_tp1_fp8_rows_fast_step_equals_full_resident(ray_cluster):
         shared = _prompt(rng, 64)
         first = [("h0", _prompt(rng, 150)), ("r0", _prompt(rng, 12)), ("h1", shared + _prompt(rng, 70)),
                  ("r1", [5])]
-        second = [("h2", _prompt(rng, 101)), ("h3", shared + _prompt(rng, 40))]  # reuses 8 pages
+        second = [("h2", _prompt(rng, 101)), ("h3", shared + _prompt(rng, 40)),  # reuses 8 pages
+                  ("edge", _prompt(rng, 256 - 12))]  # prompt + new tokens == max_context
         rows = {**_run(rep, first, 12), **_run(rep, second, 12)}
         stats = ray.get(rep.ranks[0].stats.remote())
         counters = ray.get(rep.coordinator.metrics.remote())["counters"]
@@ -76,7 +77,7 @@ def test_tp1_fp8_rows_fast_step_equals_full_resident(ray_cluster):
         rep.shutdown()
     _check(spec, rows, first + second, 12)
     assert stats["fast_steps"] > 0 and stats["error"] is None  # (steps without a batch: not)
-    assert {rows[r]["target"] for r in ("h0", "h1", "h2", "h3")} == {"host"}
+    assert {rows[r]["target"] for r in ("h0", "h1", "h2", "h3", "edge")} == {"host"}
     assert rows["r0"]["target"] == "resident"
     assert counters["prefix_hit_pages"] >= 8 and counters["backups"] > 0
     # 149 positions x 4 layers x 68 B rows, plus the keys (fp32, 32 values) into the one rank
