@@ -26,7 +26,8 @@ from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.core.records import RecordBook, RequestRecord
 from hisparse_ray.deploy import ReplicaSpec
 from hisparse_ray.errors import (
-    ChannelError, DuplicateRequestError, HiSparseError, StateError, UnknownRequestError,
+    CapacityError, ChannelError, ConfigError, DuplicateRequestError, HiSparseError, StateError,
+    UnknownRequestError,
 )
 from hisparse_ray.landing.context import LandingContext
 from hisparse_ray.landing.staging import StagingPool
@@ -95,6 +96,12 @@ class ReplicaCoordinator:
         if host_landing not in ("auto", "direct", "staged"):
             raise ValueError(f"host_landing must be auto, direct or staged, got {host_landing!r}")
         agent, md = ray.get(prefill.endpoint.remote())
+        rows = ray.get(prefill.kv_row_bytes.remote())
+        if rows != self.spec.layout.bytes_per_token_layer:
+            raise ConfigError("kv_cache_dtype", self.spec.kv_cache_dtype,
+                              f"the prefill worker sends {rows} B KV rows, this replica holds "
+                              f"{self.spec.layout.bytes_per_token_layer} B rows: give both specs "
+                              f"the same kv_cache_dtype")
         for ep in self.endpoints:
             ray.get(prefill.add_peer.remote(ep.metadata))
         ray.get([r.add_peer.remote(md) for r in self.ranks])
@@ -140,6 +147,10 @@ class ReplicaCoordinator:
             rec = RequestRecord(request_id, len(prompt), max_new_tokens, time.monotonic())
             if not self.records.is_new(request_id):  # held, or dropped not long ago
                 raise DuplicateRequestError(request_id)
+            fast = self.spec.fast_path  # the ranks' static tables hold max_context positions
+            if fast is not None and len(prompt) + max_new_tokens > fast.max_context:
+                raise CapacityError(f"positions of request {request_id!r} (fast_path.max_context)",
+                                    len(prompt) + max_new_tokens, fast.max_context)
             adm = self.core.admit(RequestId(request_id), list(prompt), max_new_tokens, eos_token_id)
             self.records.add(rec)
             self._prompts[request_id] = list(prompt)

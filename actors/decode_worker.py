@@ -125,6 +125,7 @@ class DecodeWorker:
 
     def build(self) -> RankEndpoint:
         """Model shard, runtime + step executor, NIXL regions; returns this rank's endpoint."""
+        from hisparse_ray.kernels.kvfp8 import row_codec
         from hisparse_ray.rank.executor import HiSparseWorker
 
         if self.pool is None:
@@ -135,7 +136,8 @@ class DecodeWorker:
         self.executor = HiSparseWorker(
             model, spec.hisparse, spec.layout, spec.num_device_blocks, self.pool, rank=self.rank,
             device=spec.device, max_requests=max(spec.num_device_blocks, spec.max_batch) + 1,
-            sync_host_writes=self._sync_host_writes)
+            sync_host_writes=self._sync_host_writes,
+            kv_codec=row_codec(spec.kv_cache_dtype, model.cfg, model.dtype), fast=spec.fast_path)
         self.engine = self._engine or NixlTransferEngine(
             f"decode-{spec.replica_id}-r{self.rank}-{os.getpid()}")
         dev = [self.engine.register(f"dev.{l}", t)

@@ -156,7 +156,7 @@ class Lander:
                  for p in adm.pages if not p.reused and page_positions(p.page, P, T)[1] > 0}
         keys_nixl = self.ctx.keys_by_write
         staged = path == "staged" or keys_nixl  # chunks lease staging runs
-        capacity = len(prompt) + max_new_tokens + 1
+        capacity = len(prompt) + max_new_tokens  # key positions it can reach, + 1 spare
         pages = list(range(-(-T // P))) if keys_nixl else sorted(block)
         parts = chunk_pages(pages, self.staging.capacity, IN_FLIGHT) if staged \
             else [tuple(pages)]

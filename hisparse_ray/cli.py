@@ -142,14 +142,14 @@ def run_requests(replica, requests: list[tuple[str, list[int]]], max_new_tokens:
     return ray.get(coord.wait.remote([rid for rid, _ in requests]))
 
 
-def reference_tokens(model_spec, requests: list[tuple[str, list[int]]], max_new_tokens: int,
-                     device: str = "cpu") -> dict[str, list[int]]:
+def reference_tokens(replica_spec, requests: list[tuple[str, list[int]]], max_new_tokens: int
+                     ) -> dict[str, list[int]]:
     """The same prompts through the in-process engine in full-resident mode (greedy), on the
-    device the decode ranks used."""
-    from hisparse_ray.testing.full_resident import full_resident_tokens
+    device, KV-cache dtype and decode path (fast step or reference) the decode ranks used."""
+    from hisparse_ray.testing.full_resident import replica_baseline
 
-    return full_resident_tokens(model_spec, [p for _, p in requests], max_new_tokens,
-                                [rid for rid, _ in requests], device=device)
+    return replica_baseline(replica_spec, [p for _, p in requests], max_new_tokens,
+                            [rid for rid, _ in requests])
 
 
 def print_table(rows: list[dict], metrics: dict) -> None:
@@ -191,7 +191,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           f"{min(lengths) / cfg.device_buffer_size:.0f}-{max(lengths) / cfg.device_buffer_size:.0f}x "
           f"the hot buffer ({cfg.device_buffer_size} slots), top-k {cfg.top_k}, "
           f"{opts.max_new_tokens} new tokens each, TP {opts.tp}, device {replica_spec.device}"
-          + (f" ({replica_spec.gpus_per_rank:g} GPU per rank)" if replica_spec.use_cuda else ""))
+          + (f" ({replica_spec.gpus_per_rank:g} GPU per rank)" if replica_spec.use_cuda else "")
+          + f", {'fast step' if replica_spec.fast_path else 'reference'} decode path, KV rows "
+          f"{replica_spec.kv_cache_dtype} ({replica_spec.layout.bytes_per_token_layer} B)")
     _start_ray(args.num_cpus)
     try:
         t0 = time.perf_counter()
@@ -212,7 +214,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"FAILED requests: {[(r['request_id'], r['error']) for r in failed]}")
         return 1
     print("\nexactness check: the same prompts through full-resident decode (in-process engine)")
-    ref = reference_tokens(replica_spec.model, requests, opts.max_new_tokens, replica_spec.device)
+    ref = reference_tokens(replica_spec, requests, opts.max_new_tokens)
     ok = True
     for r in rows:
         same = r["tokens"] == ref[r["request_id"]]

@@ -31,6 +31,24 @@ MAX_BLOCK_THREADS = 1024
 #   bf16 MLA: (kv_lora_rank 512 + rope 64) dims * 2 B = 1152 B.
 #   fp8 FlashMLA layout: 512 fp8 latent + 4 fp32 scales + 64 bf16 rope = 512 + 16 + 128 = 656 B.
 KV_ROW_BYTES = {"bf16": 1152, "fp8": 656}
+#: KV-cache dtypes of a row (``kv_cache_dtype``; "auto" = the model's dtype)
+KV_CACHE_DTYPES = ("fp32", "bf16", "fp8")
+FP8_TILE = 128  # latent values per fp8 scale (DeepSeek-V3.2's row layout)
+
+
+def kv_row_bytes(kind: str, kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one token's MLA row (``kv_lora_rank`` latent + ``rope_dim`` rope values) stored as
+    ``kind``: fp32 / bf16 values, or fp8 (e4m3 latent, one fp32 scale per 128 latent values, bf16
+    rope: 656 B at 512 + 64; :mod:`hisparse_ray.kernels.kvfp8` holds the codec). ConfigError
+    names ``kv_cache_dtype`` for an unknown kind or a shape fp8 rows cannot hold."""
+    if kind not in KV_CACHE_DTYPES:
+        raise ConfigError("kv_cache_dtype", kind, f"must resolve to one of {KV_CACHE_DTYPES}")
+    if kind == "fp8":
+        if kv_lora_rank % 4 or rope_dim % 2:
+            raise ConfigError("kv_cache_dtype", kind, f"fp8 rows need kv_lora_rank % 4 == 0 and an "
+                              f"even rope dim, got {kv_lora_rank} + {rope_dim}")
+        return kv_lora_rank + 4 * -(-kv_lora_rank // FP8_TILE) + 2 * rope_dim
+    return (kv_lora_rank + rope_dim) * (4 if kind == "fp32" else 2)
 
 
 def _int(key: str, value: Any, *, lo: int, allowed: str) -> int:

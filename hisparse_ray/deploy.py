@@ -22,8 +22,9 @@ from typing import Any
 from hisparse_ray.checks import (
     check_bool, check_choice, check_int, check_number, check_optional_number, check_str, check_type,
 )
-from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout, kv_row_bytes
 from hisparse_ray.errors import ConfigError
+from hisparse_ray.fastpath.config import deployment_fast_path
 
 #: ``landing_push_with_prefill`` values
 PUSH_WITH_PREFILL = ("auto", "always", "never")
@@ -34,6 +35,7 @@ GROUPS = ("model", "replica", "prefill", "request", "serve")
 MODEL_KINDS = ("deepseek_v32", "glm_moe_dsa")
 #: a replica id names the host pool's segment file and placement group
 _NAME_FORBIDS = "/\0"
+FAST_PATH, KV_CACHE_DTYPES = ("auto", "on", "off"), ("auto", "fp32", "bf16", "fp8")
 
 
 def _opt(default: Any, help: str, group: str, *, kind: str = "", choices: tuple = (),
@@ -60,8 +62,9 @@ class DeployOptions:
                       "weights) or a local HF model folder (config.json, safetensors shards, "
                       "tokenizer; DeepSeek-V3.2 / GLM-5, fp8 block-quantized included)", "model")
     seed: int = _opt(0, "model weights seed (identical on every actor)", "model")
-    dtype: str = _opt("float32", "model and KV dtype (float32 keeps greedy choices robust to "
-                      "batching differences in the exactness checks)", "model",
+    dtype: str = _opt("float32", "model dtype, and the KV rows' unless kv_cache_dtype says "
+                      "(float32 keeps greedy choices robust to batching differences in the "
+                      "exactness checks)", "model",
                       choices=("float32", "bfloat16"))
     model_shape: str = _opt("tiny", "tiny: 4 layers of 48-value rows; landing: DeepSeek-V3.2's KV "
                             "bytes per token around a tiny network (benchmarks)", "model",
@@ -112,6 +115,13 @@ class DeployOptions:
     host_pool_dir: str = _opt("/dev/shm", "directory (a tmpfs) of the host pool's shared-memory "
                               "segment; its name is removed as soon as every rank mapped it, so "
                               "no exit path leaves it behind", "replica")
+    fast_path: str = _opt("auto", "decode with the fast step (batched, paged GPU index keys, "
+                          "FlashMLA / DeepGEMM, CUDA graphs): on, off (the reference path), auto = "
+                          "on with CUDA and FlashMLA on an sm90 GPU", "replica", choices=FAST_PATH)
+    kv_cache_dtype: str = _opt("auto", "KV rows in every pool and landing: auto = the model dtype, "
+                               "fp32, bf16, fp8 (656 B rows)", "replica", choices=KV_CACHE_DTYPES)
+    index_key_dtype: str = _opt("auto", "the fast path's GPU index keys: auto = the model dtype, "
+                                "fp32, bf16, fp8", "replica", choices=KV_CACHE_DTYPES)
     # -- one prefill worker
     max_prompt_tokens: int = _opt(4096, "prefill send buffer: the longest prompt", "prefill")
     prefill_gpus: float = _opt(0.0, "GPU share of the prefill worker", "prefill")
@@ -205,9 +215,13 @@ class DeployOptions:
             landing_layer_groups=self.landing_layer_groups,
             landing_call_timeout_s=self.landing_call_timeout_s,
             landing_push_with_prefill=self.landing_push_with_prefill,
-            host_pool_dir=self.host_pool_dir)
+            host_pool_dir=self.host_pool_dir,
+            kv_cache_dtype=self.kv_cache_dtype, fast_path=deployment_fast_path(
+                self.fast_path, gpus_per_rank, self.max_prompt_tokens + self.max_new_tokens_limit,
+                self.max_batch, self.index_key_dtype))
         prefill = PrefillSpec(model=model, max_prompt_tokens=self.max_prompt_tokens,
-                              gpus=self.prefill_gpus, cpus=self.prefill_cpus)
+                              gpus=self.prefill_gpus, cpus=self.prefill_cpus,
+                              kv_cache_dtype=self.kv_cache_dtype)
         return replica, prefill
 
 
@@ -352,12 +366,15 @@ class ModelSpec:
         return self.source().load(dtype=self.torch_dtype(), device=device, rank=rank,
                                   tp_size=tp_size, fp8=self.fp8)
 
-    def kv_layout(self, page_size: int) -> KVLayout:
-        """The KV row layout of this model: ``row_dim`` values of ``dtype`` per (token, layer)."""
+    def kv_layout(self, page_size: int, kv_cache_dtype: str = "auto") -> KVLayout:
+        """The KV row layout of this model: one row per (token, layer) in ``kv_cache_dtype``
+        ("auto": ``row_dim`` values of ``dtype``; fp8: DeepSeek-V3.2's row layout)."""
         cfg = self.dsa_config()
-        itemsize = 4 if self.dtype == "float32" else 2
+        kind = kv_cache_dtype
+        if kind == "auto":
+            kind = "fp32" if self.dtype == "float32" else "bf16"
         return KVLayout(num_layers=cfg.num_hidden_layers, page_size=page_size,
-                        row_bytes=cfg.row_dim * itemsize)
+                        row_bytes=kv_row_bytes(kind, cfg.kv_lora_rank, cfg.qk_rope_head_dim))
 
     def tokenizer(self):
         """A folder's HF tokenizer (None when it has no tokenizer.json), or the built-in kinds'
@@ -388,7 +405,8 @@ class ReplicaSpec:
     TP group), above 0.5 each rank has its own (NCCL; the ranks still share one host pool).
     Construction checks the pool sizing the coordinator core will schedule against
     (``core_config``). ``landing_push_with_prefill`` also takes True / False ("always" /
-    "never")."""
+    "never"). ``kv_cache_dtype`` sizes every pool's rows (``layout``); ``fast_path``: the ranks'
+    ``FastPathConfig`` (None: the reference path)."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
@@ -408,6 +426,8 @@ class ReplicaSpec:
     landing_call_timeout_s: float = _D["landing_call_timeout_s"]
     landing_push_with_prefill: str = _D["landing_push_with_prefill"]
     host_pool_dir: str = _D["host_pool_dir"]
+    kv_cache_dtype: str = _D["kv_cache_dtype"]
+    fast_path: Any = None  # FastPathConfig | None (hisparse_ray.fastpath.config)
 
     def __post_init__(self) -> None:
         check_type("model", self.model, ModelSpec)
@@ -429,8 +449,12 @@ class ReplicaSpec:
         elif not isinstance(pwp, str) or pwp not in PUSH_WITH_PREFILL:
             raise ConfigError("landing_push_with_prefill", pwp,
                               f"must be one of {', '.join(PUSH_WITH_PREFILL)} (or a bool)")
+        if self.fast_path is not None:
+            from hisparse_ray.fastpath.config import check_fast_path
+
+            check_fast_path(self.fast_path, self.max_batch)
         self.check_model()
-        self.core_config  # noqa: B018 - the pools must hold one hot buffer and one host block
+        self.core_config  # noqa: B018 - pools holding a hot buffer and a host block; kv_cache_dtype
 
     def check_model(self) -> None:
         """The HiSparse config and TP size against the model every rank builds (ConfigError
@@ -461,7 +485,7 @@ class ReplicaSpec:
 
     @property
     def layout(self) -> KVLayout:
-        return self.model.kv_layout(self.page_size)
+        return self.model.kv_layout(self.page_size, self.kv_cache_dtype)
 
     @property
     def num_host_blocks(self) -> int:
@@ -488,7 +512,8 @@ class PrefillSpec:
     batch_invariant: the exact prefill (``DSAModel.prefill``: every position's KV bitwise what
     decode computes, so reused prefixes stay exact; see docs/architecture.md "Exactness
     contract"). It computes per token row (on a GPU one position at a time): False batches the
-    prefill's matmuls, for benchmarks and real-size models (rows then differ in the last bits)."""
+    prefill's matmuls, for benchmarks and real-size models (rows then differ in the last bits).
+    ``kv_cache_dtype``: the KV rows it sends; the replica's (``add_prefill`` checks)."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     max_prompt_tokens: int = _D["max_prompt_tokens"]
@@ -497,6 +522,7 @@ class PrefillSpec:
     name: str = "prefill0"
     synthetic_kv: bool = False
     batch_invariant: bool = True
+    kv_cache_dtype: str = _D["kv_cache_dtype"]
 
     def __post_init__(self) -> None:
         check_type("model", self.model, ModelSpec)
@@ -506,6 +532,7 @@ class PrefillSpec:
         check_str("name", self.name, forbid=_NAME_FORBIDS)
         check_bool("synthetic_kv", self.synthetic_kv)
         check_bool("batch_invariant", self.batch_invariant)
+        self.model.kv_layout(1, self.kv_cache_dtype)  # ConfigError naming kv_cache_dtype
 
     @property
     def use_cuda(self) -> bool:

@@ -109,6 +109,8 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "landing_call_timeout_s": [0, -1],
         "landing_push_with_prefill": ["sometimes", 1],
         "host_pool_dir": ["", 5, "a\0b"],
+        "kv_cache_dtype": ["fp16", 1, None],
+        "fast_path": ["on", "auto"],
     }),
     PrefillSpec: ({}, {
         "model": [None],
@@ -118,6 +120,7 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "name": ["", "a/b"],
         "synthetic_kv": [1, "no"],
         "batch_invariant": [0, None],
+        "kv_cache_dtype": ["fp16", 1],
     }),
     RopeConfig: ({}, {
         "rope_type": ["ntk", None],
@@ -217,6 +220,7 @@ _OPTION_BAD: dict[str, list] = {
     "max_new_tokens_limit": [0], "request_timeout_s": [0, NAN], "num_replicas": [0, True],
     "max_ongoing_requests": [0], "health_check_period_s": [0, -1],
     "decode_resources": [{"decode_node": 0}, {"x": NAN}, [1]], "prefill_resources": [{"a": -1}],
+    "fast_path": ["yes", True], "kv_cache_dtype": ["fp16", 8], "index_key_dtype": ["int8", None],
 }
 
 

@@ -158,6 +158,39 @@ def test_landing_shape_builds_and_prefills_with_tp2_divisible_heads():
     assert model.cfg.num_attention_heads % 2 == 0
 
 
+def test_fast_path_and_kv_cache_dtype_options_reach_every_spec():
+    """``fast_path`` / ``kv_cache_dtype`` / ``index_key_dtype``: validated before anything starts,
+    resolved by ``specs()`` (auto: off without a GPU or without FlashMLA, as here), and the KV
+    dtype sizes the replica's rows and the prefill worker's (the same bytes by construction)."""
+    from hisparse_ray.fastpath.config import FastPathConfig, default_buckets
+
+    for key in ("fast_path", "kv_cache_dtype", "index_key_dtype"):
+        with pytest.raises(ConfigError, match=key):
+            DeployOptions.from_dict({key: "fp4"})
+    assert DeployOptions().specs()[0].fast_path is None
+    assert DeployOptions().specs(gpus=1)[0].fast_path is None  # no sm90 FlashMLA in this process
+    replica, prefill = DeployOptions(fast_path="on", kv_cache_dtype="fp8", index_key_dtype="fp8",
+                                     max_batch=12, max_prompt_tokens=1000,
+                                     max_new_tokens_limit=24).specs()
+    assert replica.fast_path == FastPathConfig(max_context=1024, buckets=(1, 2, 4, 8, 12),
+                                               index_key_dtype="fp8")
+    assert default_buckets(1) == (1,) and default_buckets(16) == (1, 2, 4, 8, 16)
+    assert replica.kv_cache_dtype == prefill.kv_cache_dtype == "fp8"
+    assert replica.layout.row_bytes == 68  # tiny: 32 e4m3 + one fp32 scale + 16 bf16 rope values
+    assert ModelSpec(dtype="bfloat16", shape="landing").kv_layout(64, "fp8").row_bytes == 656
+    assert ModelSpec(dtype="bfloat16").kv_layout(8, "fp32").row_bytes == 48 * 4
+    with pytest.raises(ConfigError, match="fast_path.buckets"):
+        ReplicaSpec(max_batch=4, fast_path=FastPathConfig(buckets=(1, 2)))
+    with pytest.raises(ConfigError, match="fast_path"):
+        ReplicaSpec(fast_path="on")
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        PrefillSpec(kv_cache_dtype="int4")
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        ReplicaSpec(kv_cache_dtype="int4")
+    args = cli.build_parser().parse_args(["demo", "--fast-path", "on", "--kv-cache-dtype", "fp8"])
+    assert cli.options(args).specs()[0].layout.row_bytes == 68
+
+
 def test_model_spec_takes_a_model_folder(tmp_path):
     import torch
 

@@ -118,7 +118,7 @@ class HiSparseWorker:
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
         self.on_logits: Any = None  # on_logits(cmd, logits [B, V]) after each forward (tests, tools)
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
-                         "backups": 0}
+                         "backups": 0, "fast_steps": 0}
 
     def _host_view(self, l: int) -> Tensor:
         """The host layer as the resolver reads it: the UVA alias on GPU, the mapping on CPU."""
@@ -137,9 +137,11 @@ class HiSparseWorker:
         self.samplers[rid] = _Sampler(params)
 
     def install_index_keys(self, rid: RequestId, keys: Tensor | None, capacity: int) -> None:
-        """The prefix's indexer keys ``[L, T, d]`` (dense, device-resident, model-owned; paged in
-        the GPU pool on the fast path)."""
+        """Room for ``capacity`` positions of a request's indexer keys, holding the prefix's keys
+        ``[L, T, d]`` if given (dense, device-resident, model-owned; paged in the GPU pool on the
+        fast path). Replaces keys installed before for ``rid``."""
         if self.fast is not None:
+            self.fast.release(rid)
             self.fast.install(rid, keys, capacity)
             return
         mcfg = self.model.cfg
@@ -149,6 +151,32 @@ class HiSparseWorker:
             cache.keys[:, : keys.shape[1]] = keys.to(self.device, self.model.dtype)
             cache.length = keys.shape[1]
         self.index[rid] = cache
+
+    def has_index_keys(self, rid: RequestId) -> bool:
+        return rid in (self.fast.keys.pages if self.fast is not None else self.index)
+
+    def write_index_keys(self, rid: RequestId, lo: int, raw: Tensor) -> None:
+        """A landing chunk's keys: ``raw [L, n, d * itemsize]`` uint8, the model dtype's bytes
+        (the landing wire format), become positions ``lo..lo+n-1`` of an installed request (on
+        the fast path encoded into the paged pool's key dtype)."""
+        keys = raw.view(self.model.dtype)
+        if self.fast is not None:
+            self.fast.keys.write_positions(rid, lo, keys)
+            return
+        cache = self.index[rid]
+        cache.keys[:, lo:lo + keys.shape[1]] = keys.to(cache.keys.device, cache.keys.dtype)
+
+    def set_index_length(self, rid: RequestId, length: int) -> None:
+        """The landing ended: positions ``0..length-1`` hold keys (the paged pool needs no
+        length: each step masks at the row's ``seq_len``)."""
+        if self.fast is None:
+            self.index[rid].length = length
+
+    def drop_index_keys(self, rid: RequestId) -> None:
+        """Forget a request's keys (a failed landing); nothing if none are installed."""
+        self.index.pop(rid, None)
+        if self.fast is not None:
+            self.fast.release(rid)
 
     def land_local(self, adm: Admission, kv_rows: Tensor) -> None:
         """In-process landing: write ``kv_rows [L, T, row_dim]`` of positions ``0..T-1`` into the
@@ -203,6 +231,7 @@ class HiSparseWorker:
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
         self.counters["steps"] += 1
+        self.counters["fast_steps"] += fast
         self.counters["hot_hits"] += hits
         self.counters["hot_misses"] += misses
         return StepReport(

@@ -38,8 +38,8 @@ def _pattern(L: int, T: int, width: int, salt: int) -> torch.Tensor:
 
 
 class _KeyCaches:
-    """A rank's key caches (what ``HiSparseWorker`` offers a landing: ``index`` and
-    ``install_index_keys``), keys as ``K`` raw bytes per (layer, position)."""
+    """A rank's key caches (what ``HiSparseWorker`` offers a landing, ``rank.landing.KeyCaches``),
+    keys as ``K`` raw bytes per (layer, position)."""
 
     def __init__(self, L: int) -> None:
         self.L = L
@@ -48,6 +48,18 @@ class _KeyCaches:
     def install_index_keys(self, rid: str, keys, capacity: int) -> None:
         assert keys is None  # key staging: the keys come by WRITE, not by Ray
         self.index[rid] = IndexerKeyCache(self.L, K, max(capacity, 1), dtype=torch.uint8)
+
+    def has_index_keys(self, rid: str) -> bool:
+        return rid in self.index
+
+    def write_index_keys(self, rid: str, lo: int, raw) -> None:
+        self.index[rid].keys[:, lo:lo + raw.shape[1]] = raw
+
+    def set_index_length(self, rid: str, length: int) -> None:
+        self.index[rid].length = length
+
+    def drop_index_keys(self, rid: str) -> None:
+        self.index.pop(rid, None)
 
 
 class _Rank:
