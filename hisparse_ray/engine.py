@@ -21,8 +21,8 @@ from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import ConfigError, DuplicateRequestError, InvalidRequestError, StateError
 from hisparse_ray.host.pool import HostPool
-from hisparse_ray.rank.executor import HiSparseWorker, SamplingParams
-from hisparse_ray.types import RequestId, RequestState
+from hisparse_ray.rank.executor import HiSparseWorker
+from hisparse_ray.types import RequestId, RequestState, SamplingParams
 
 _ids = itertools.count()
 

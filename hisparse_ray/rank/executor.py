@@ -17,7 +17,6 @@ rows (rank 0). Acks: every transfer id is reported *enqueued* in the step that i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,33 +28,12 @@ from hisparse_ray.host.copies import CopyHandle, backup_rows, fill_rows, restore
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.cache import IndexerKeyCache
 from hisparse_ray.rank.runtime import HiSparseCacheHandle, HiSparseRuntime
-from hisparse_ray.types import NO_BLOCK, Admission, RequestId, StepCommand, StepReport, TransferKind
+from hisparse_ray.rank.sampler import Sampler
+from hisparse_ray.types import (
+    NO_BLOCK, Admission, RequestId, SamplingParams, StepCommand, StepReport, TransferKind,
+)
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """temperature 0 = greedy; otherwise softmax(logits / temperature) sampled with a generator
-    seeded from ``seed`` (so a request samples the same tokens in every mode and on every run)."""
-
-    temperature: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ConfigError("temperature", self.temperature, "must be >= 0 (0 = greedy)")
-
-
-class _Sampler:
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
-        self.gen = torch.Generator(device="cpu")
-        self.gen.manual_seed(params.seed)
-
-    def __call__(self, logits: Tensor) -> int:
-        if self.params.temperature == 0.0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+__all__ = ["HiSparseWorker", "SamplingParams"]  # SamplingParams lives in types (the wire)
 
 
 class HiSparseWorker:
@@ -97,7 +75,7 @@ class HiSparseWorker:
             backend=backend)
         self.handle = HiSparseCacheHandle(self.runtime, mcfg.row_dim, model.dtype)
         self.index: dict[RequestId, IndexerKeyCache] = {}
-        self.samplers: dict[RequestId, _Sampler] = {}
+        self.samplers: dict[RequestId, Sampler] = {}  # rank 0; absent = greedy
         self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
         self.batch_invariant = batch_invariant
         self.sync_host_writes = sync_host_writes
@@ -120,7 +98,11 @@ class HiSparseWorker:
 
     # -- admission-time state ------------------------------------------------------------------
     def set_sampling(self, rid: RequestId, params: SamplingParams) -> None:
-        self.samplers[rid] = _Sampler(params)
+        """How ``rid`` samples (rank 0; before its first step). Greedy needs no call."""
+        if params.greedy:
+            self.samplers.pop(rid, None)
+        else:
+            self.samplers[rid] = Sampler(params)
 
     def install_index_keys(self, rid: RequestId, keys: Tensor | None, capacity: int) -> None:
         """The prefix's indexer keys ``[L, T, d]`` (dense, device-resident, model-owned)."""
