@@ -45,7 +45,11 @@ class HiSparseWorker:
     sync_host_writes: finish every copy of the step before ``execute`` returns (and report it
     completed). Rank 0 of a TP group on CUDA needs this: its peers read the host rows it wrote
     (backups, spills) in their next forward, ordered only by the coordinator waiting for every
-    rank's report; a single rank orders its own reads on the GPU (``CopyHandle.order_before``)."""
+    rank's report; a single rank orders its own reads on the GPU (``CopyHandle.order_before``).
+    hot_counts_every: rank 0 accumulates each request's hot-buffer hits and misses on the device
+    and reads them back (one sync) every this many steps and before it drops released requests,
+    reporting them in ``StepReport.hits_by_request``; peers never read them (1: every step; the
+    CPU's "device" is the host, so there a read costs nothing)."""
 
     def __init__(
         self,
@@ -61,6 +65,7 @@ class HiSparseWorker:
         backend: str = "auto",
         batch_invariant: bool = True,
         sync_host_writes: bool = False,
+        hot_counts_every: int = 1,
     ) -> None:
         self.model, self.cfg, self.layout, self.pool, self.rank = model, cfg, layout, pool, rank
         self.device = torch.device(device)
@@ -79,6 +84,11 @@ class HiSparseWorker:
         self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
         self.batch_invariant = batch_invariant
         self.sync_host_writes = sync_host_writes
+        if isinstance(hot_counts_every, bool) or not isinstance(hot_counts_every, int) \
+                or hot_counts_every < 1:
+            raise ConfigError("hot_counts_every", hot_counts_every, "an int >= 1")
+        self.hot_counts_every = hot_counts_every
+        self._steps_uncounted = 0  # forwards since rank 0 last read the hot counts
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
         self.on_logits: Any = None  # on_logits(cmd, logits [B, V]) after each forward (tests, tools)
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
@@ -103,6 +113,11 @@ class HiSparseWorker:
             self.samplers.pop(rid, None)
         else:
             self.samplers[rid] = Sampler(params)
+
+    def forget(self, rid: RequestId) -> None:
+        """Drop what a landing installed for ``rid`` (keys, sampler): it will never decode."""
+        self.index.pop(rid, None)
+        self.samplers.pop(rid, None)
 
     def install_index_keys(self, rid: RequestId, keys: Tensor | None, capacity: int) -> None:
         """The prefix's indexer keys ``[L, T, d]`` (dense, device-resident, model-owned)."""
@@ -142,6 +157,9 @@ class HiSparseWorker:
     # -- one step ------------------------------------------------------------------------------
     def execute(self, cmd: StepCommand) -> StepReport:
         rt = self.runtime
+        counts: dict[RequestId, tuple[int, int]] = {}
+        if self.writer and any(rid in rt.requests for rid in cmd.released):
+            self._take_hot_counts(counts)  # a released request's last counts go out first
         for rid in cmd.released:
             if rid in rt.requests:
                 rt.remove(rid)
@@ -154,11 +172,14 @@ class HiSparseWorker:
         # measured on the H200 at 4.6x (spill) / 2.8x (restore) the per-layer memcpy path.
         self._enqueue_transfers(cmd, enqueued)
         sampled: tuple = ()
-        per_request: list[tuple[RequestId, int, int]] = []
         if cmd.batch:
             for handle in (h for _, h in self._pending):
                 handle.order_before()
-            sampled, per_request = self._forward(cmd)
+            sampled = self._forward(cmd)
+            self._steps_uncounted += 1
+            if self.writer and self._steps_uncounted >= self.hot_counts_every:
+                self._take_hot_counts(counts)
+        per_request = [(rid, h, m) for rid, (h, m) in counts.items()]
         if cmd.backups:
             ids = tuple(b.transfer_id for b in cmd.backups)
             if self.writer:
@@ -182,6 +203,13 @@ class HiSparseWorker:
                 wait=not cmd.batch or self.sync_host_writes),
             sampled=sampled if self.writer else (), hot_hits=hits, hot_misses=misses,
             hits_by_request=tuple(per_request) if self.writer else ())
+
+    def _take_hot_counts(self, into: dict[RequestId, tuple[int, int]]) -> None:
+        """(rank 0) Add the hot counts accumulated on the device since the last read to ``into``."""
+        for rid, (h, m) in self.runtime.take_hot_counts().items():
+            h0, m0 = into.get(rid, (0, 0))
+            into[rid] = (h0 + h, m0 + m)
+        self._steps_uncounted = 0
 
     def _enqueue_transfers(self, cmd: StepCommand, enqueued: list[int]) -> None:
         spills = [t for t in cmd.transfers if t.kind is TransferKind.SPILL]
@@ -248,7 +276,6 @@ class HiSparseWorker:
         # this makes a request's logits independent of what else the scheduler batched with it.
         groups = [(r,) for r in cmd.batch] if self.batch_invariant else [cmd.batch]
         parts: list[Tensor] = []
-        per_request: list[tuple[RequestId, int, int]] = []
         for rows in groups:
             caches = [self._index_cache(r.request_id, r.seq_len) for r in rows]
             rt.begin_step(rows)
@@ -258,8 +285,8 @@ class HiSparseWorker:
             pos = torch.tensor([r.seq_len - 1 for r in rows], dtype=torch.int64, device=self.device)
             hook = self.trace.hook if self.trace is not None else None
             parts.append(self.model.decode(ids, pos, self.handle, caches, topk_hook=hook))
-            hits, misses = rt.hot_counts()
-            per_request += [(r.request_id, h, m) for r, h, m in zip(rows, hits, misses)]
+            if self.writer:  # on the device; read every hot_counts_every steps (execute)
+                rt.accumulate_hot_counts()
         logits = torch.cat(parts)
         if self.on_logits is not None:
             self.on_logits(cmd, logits)
@@ -271,7 +298,7 @@ class HiSparseWorker:
                 sampler = self.samplers.get(r.request_id)
                 toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
             sampled = tuple((r.request_id, t) for r, t in zip(cmd.batch, toks))
-        return sampled, per_request
+        return sampled
 
     def close(self) -> None:
         self._take_completed(wait=True)

@@ -28,6 +28,10 @@ class KeyCaches(Protocol):
 
     def install_index_keys(self, rid: str, keys: Any, capacity: int) -> None: ...
 
+    def set_sampling(self, rid: str, params: Any) -> None: ...
+
+    def forget(self, rid: str) -> None: ...
+
 
 class HostWriter(Protocol):
     """The host pool as its writer (rank 0) sees it (``HostPool``)."""
@@ -155,6 +159,8 @@ class RankLanding:
                     torch.cuda.current_stream().synchronize()
             if step.last:
                 index[rid].length = step.num_positions
+                if step.sampling is not None:
+                    self.keys.set_sampling(rid, step.sampling)
         self.trace.append((rid, t_enter, t_notified, t_copied, time.perf_counter()))
         return seconds
 
@@ -166,7 +172,7 @@ class RankLanding:
             while len(self._cancelled) > CANCELLED_MEMORY:
                 self._cancelled.popitem(last=False)
         with self.lock:
-            self.keys.index.pop(request_id, None)
+            self.keys.forget(request_id)
 
 
 def copy_runs(src_layers: Sequence[Any], dst_layers: Sequence[Any],
