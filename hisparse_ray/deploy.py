@@ -362,6 +362,30 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i + 31) if 1 <= i <= 95 else "?" for i in ids)
 
+    # TEMPORARY (serve branch): the parts of model/tokenizer.py's Tokenizer protocol the OpenAI
+    # front end uses, until engineer ckpt's module lands in main (it replaces this class).
+    eos_token_ids: tuple[int, ...] = ()
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return self.encode(text + ("assistant: " if add_generation_prompt else ""))
+
+    def stream(self) -> "_ByteStream":
+        return _ByteStream(self)
+
+
+class _ByteStream:
+    """TEMPORARY (see ByteTokenizer): one id is one character, so every push is final."""
+
+    def __init__(self, tok: ByteTokenizer) -> None:
+        self._tok = tok
+
+    def push(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    def flush(self) -> str:
+        return ""
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSpec:
