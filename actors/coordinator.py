@@ -369,7 +369,10 @@ class ReplicaCoordinator:
             c = self.core.counters
             self.core.check_invariants()
         looked = self.hot_hits + self.hot_misses
-        steps = sorted(dt for _, dt in self.channels.log) if self.channels is not None else []
+        # list(deque) copies in C, atomically under the GIL; iterating it here in Python while the
+        # step thread appends raised "deque mutated during iteration" (the serve tests' flake)
+        steps = sorted(dt for _, dt in list(self.channels.log)) if self.channels is not None \
+            else []
         return {
             "counters": {k: getattr(c, k) for k in c.__slots__},
             "hot_hits": self.hot_hits, "hot_misses": self.hot_misses,
@@ -400,7 +403,7 @@ class ReplicaCoordinator:
         """(request id, prefill done, first chunk issued, every call ended) ``perf_counter``
         stamps of the recent landings of every lander (benchmarks; see ``DecodeWorker`` and
         ``PrefillWorker.get_landing_trace``)."""
-        return [t for lander in self._landers for t in lander.trace]
+        return [t for lander in self._landers for t in list(lander.trace)]  # copy: see metrics
 
     def get_step_trace(self) -> list[tuple]:
         """(step, start, sent per rank, report found per rank, loaded per rank)

@@ -47,7 +47,7 @@ def test_tp_backend_is_nccl_only_when_no_two_ranks_can_share_a_gpu():
 
 def test_serve_options_are_checked_before_anything_starts(capsys):
     serve = pytest.importorskip("ray.serve")  # noqa: F841
-    from hisparse_ray.serve import build_app
+    from hisparse_ray.serve import build_engine_app as build_app
 
     with pytest.raises(ConfigError, match="bogus"):
         build_app({"bogus": 1})

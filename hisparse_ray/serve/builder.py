@@ -25,6 +25,7 @@ from hisparse_ray.deploy import DeployOptions
 
 ENGINE = "HiSparseServer"  # the HiSparse deployment's name (Ray Data's processor names it)
 INGRESS = "OpenAIIngress"
+INGRESS_ONGOING = 4096  # requests one ingress replica holds at once (it only relays)
 
 
 def options_of(options: DeployOptions | Mapping[str, Any] | None) -> DeployOptions:
@@ -39,13 +40,14 @@ def options_of(options: DeployOptions | Mapping[str, Any] | None) -> DeployOptio
     return opts
 
 
-def engine_deployment(opts: DeployOptions):
-    """The ``HiSparseServer`` deployment with its options bound (no ingress): a handle-only
-    app, e.g. for Ray Data."""
+def build_engine_app(options: DeployOptions | Mapping[str, Any] | None = None):
+    """The ``HiSparseServer`` deployment alone (no HTTP ingress): a handle-only application
+    (``handle.generate`` / ``generate_stream`` / ``batch``; Ray Data's processor)."""
     from ray import serve
 
     from hisparse_ray.serve.server import HiSparseServer
 
+    opts = options_of(options)
     replica_spec, prefill_spec = opts.specs()
     config: dict[str, Any] = {
         "num_replicas": opts.num_replicas, "max_ongoing_requests": opts.max_ongoing_requests,
@@ -70,8 +72,10 @@ def build_openai_app(options: DeployOptions | Mapping[str, Any] | None = None):
     from hisparse_ray.serve.openai_api import OpenAIIngress
 
     opts = options_of(options)
-    engine = engine_deployment(opts)
-    ongoing = opts.max_ongoing_requests * opts.num_replicas * 2  # the door never limits first
+    engine = build_engine_app(opts)
+    # the door never limits first: the HiSparse deployment's queue answers 429 (a stream holds
+    # an ingress slot for its whole answer)
+    ongoing = INGRESS_ONGOING
     ingress = serve.deployment(OpenAIIngress, name=INGRESS, max_ongoing_requests=ongoing,
                                ray_actor_options={"num_cpus": 0},
                                graceful_shutdown_wait_loop_s=0.5)

@@ -210,9 +210,10 @@ def parse(model: type[BaseModel], body: bytes):
 
 # -- stop strings ------------------------------------------------------------------------------
 class StopStrings:
-    """Finds the first stop string in streamed text. ``push(text)`` returns (text safe to emit,
-    hit): text that may still begin a stop string is held back until it cannot; on a hit the
-    returned text ends right before the stop string (which is not part of the output)."""
+    """Finds the first stop string to complete in streamed text (the earliest end; of two ending
+    together, the longer), whatever the pieces the text comes in. ``push(text)`` returns (text
+    safe to emit, hit): text that may still begin a stop string is held back until it cannot;
+    on a hit the returned text ends right before the stop string (not part of the output)."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
@@ -222,10 +223,10 @@ class StopStrings:
         if not self.stops:
             return text, False
         buf = self._pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self._pending = ""
-            return buf[:min(hits)], True
+            return buf[:min(hits)[1]], True
         keep = 0
         for s in self.stops:  # the longest tail of buf that begins some stop string
             for n in range(min(len(s) - 1, len(buf)), keep, -1):
