@@ -159,6 +159,8 @@ class HiSparseServer:
         unknown = sorted(set(request) - known)
         if unknown:
             raise InvalidRequestError("-", f"unknown keys {unknown}; allowed: {sorted(known)}")
+        # Ray Data hands lists over as numpy arrays and numbers as numpy scalars
+        request = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in request.items()}
         out = await self.generate(
             request.get("prompt"), request.get("ids"), request.get("max_tokens"),
             temperature=request.get("temperature"), top_p=request.get("top_p"),
