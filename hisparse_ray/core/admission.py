@@ -45,13 +45,20 @@ def match_prefix(res: Residency, req: Request) -> list[HostBlockId]:
     return res.host.index.match(chain_keys(req.tokens[:req.prompt_len - 1], res.ps))
 
 
+def resident_pages(res: Residency, req: Request) -> int:
+    """Device blocks a resident landing leases: the prompt's pages, or its whole life's when the
+    coordinator has no host tier (a full-resident baseline reserves at admission)."""
+    n = req.prompt_len if res.config.host_tier else req.lifetime_positions
+    return res.config.pages_for(n)
+
+
 def fits(res: Residency, req: Request, target: LandingTarget, matched: list[HostBlockId]) -> bool:
     """Whether ``target`` can be leased now: resident = every page of positions ``0..P-1`` in free
     device blocks; host = a hot buffer in free device blocks and the unmatched pages in the host
     pool (matched blocks that sit in the LRU do not count as available: they will be shared)."""
     n0 = res.config.pages_for(req.prompt_len)
     if target is LandingTarget.RESIDENT:
-        return res.device.num_free >= n0
+        return res.device.num_free >= resident_pages(res, req)
     if res.device.num_free < res.hot_n:
         return False
     reusable_cached = sum(1 for b in matched if res.host.is_cached(b))
@@ -66,7 +73,7 @@ def land(res: Residency, req: Request, matched: list[HostBlockId]) -> Admission:
         res.host.acquire(b)
     res.stats["prefix_hit_pages"] += len(matched)
     if req.target is LandingTarget.RESIDENT:
-        blocks = res.device.lease(n0, req.rid)
+        blocks = res.device.lease(resident_pages(res, req), req.rid)
         assert blocks is not None
         req.pages = [Page(device=d) for d in blocks]
         for i, b in enumerate(matched):

@@ -83,7 +83,7 @@ class Coordinator:
         cfg = self.config
         life = cfg.pages_for(len(tokens) + max_new_tokens - 1)
         resident_ever = life <= cfg.num_device_blocks
-        host_ever = life <= cfg.num_host_blocks
+        host_ever = cfg.host_tier and life <= cfg.num_host_blocks
         if not (resident_ever or host_ever):
             raise CapacityError("request pages", life, max(cfg.num_device_blocks, cfg.num_host_blocks))
         req = Request(RequestId(request_id), tokens, len(tokens), max_new_tokens, eos_token_id,
@@ -212,6 +212,8 @@ class Coordinator:
         already in flight. Victim: the stable resident request with the most pages whose
         conversion frees blocks (the needy request itself qualifies if it frees none but stops
         needing new device pages)."""
+        if not self.config.host_tier:
+            return  # a full-resident baseline never converts: it waits
         hot_n = self.config.hot_blocks_per_request
         if (needy.state is RequestState.WAITING and needy.target is LandingTarget.HOST
                 and self.device.num_free >= hot_n):

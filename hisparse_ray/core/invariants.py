@@ -54,6 +54,8 @@ def check_coordinator(c: "Coordinator") -> None:
             assert tid in book.pending and book.pending[tid].rid == rid, f"{rid}: stray {tid}"
         if req.state in (RequestState.LANDING, RequestState.RUNNING):
             lo, hi = cfg.pages_for(req.written), cfg.pages_for(req.written + 1)
+            if not cfg.host_tier:  # a full-resident baseline leases its whole life at admission
+                hi = max(hi, cfg.pages_for(req.lifetime_positions))
             assert lo <= len(req.pages) <= hi, f"{rid}: {len(req.pages)} pages for {req.written}"
             assert len(req.tokens) >= req.written, f"{rid}: wrote past its tokens"
         page_ops = [book.pending[t].kind for t in req.in_flight

@@ -24,6 +24,9 @@ from torch import Tensor
 
 from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.errors import ConfigError, StateError
+from hisparse_ray.fastpath.config import FastPathConfig
+from hisparse_ray.fastpath.executor import FastExecutor
+from hisparse_ray.fastpath.step import spare_rows_for
 from hisparse_ray.host.copies import CopyHandle, backup_rows, fill_rows, restore_pages, spill_pages
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.cache import IndexerKeyCache
@@ -46,10 +49,14 @@ class HiSparseWorker:
     completed). Rank 0 of a TP group on CUDA needs this: its peers read the host rows it wrote
     (backups, spills) in their next forward, ordered only by the coordinator waiting for every
     rank's report; a single rank orders its own reads on the GPU (``CopyHandle.order_before``).
-    hot_counts_every: rank 0 accumulates each request's hot-buffer hits and misses on the device
-    and reads them back (one sync) every this many steps and before it drops released requests,
-    reporting them in ``StepReport.hits_by_request``; peers never read them (1: every step; the
-    CPU's "device" is the host, so there a read costs nothing)."""
+    kv_codec: the KV-cache dtype's row codec (:mod:`hisparse_ray.kernels.kvfp8`; default: rows in
+    the model's dtype); ``layout`` must use its row bytes.
+    fast: run batches through the fast decode step (:mod:`hisparse_ray.fastpath`): batched, paged
+    GPU index keys, library kernels where they run, CUDA graphs; None = the reference path.
+    hot_counts_every: on the reference path rank 0 accumulates each request's hot-buffer hits and
+    misses on the device and reads them back (one sync) every this many steps and before it drops
+    released requests, reporting them in ``StepReport.hits_by_request``; peers never read them
+    (1: every step; the CPU's "device" is the host, so there a read costs nothing)."""
 
     def __init__(
         self,
@@ -65,6 +72,8 @@ class HiSparseWorker:
         backend: str = "auto",
         batch_invariant: bool = True,
         sync_host_writes: bool = False,
+        kv_codec: Any = None,
+        fast: FastPathConfig | None = None,
         hot_counts_every: int = 1,
     ) -> None:
         self.model, self.cfg, self.layout, self.pool, self.rank = model, cfg, layout, pool, rank
@@ -77,8 +86,11 @@ class HiSparseWorker:
         self.runtime = HiSparseRuntime(
             cfg, layout, num_device_blocks, host_layers, device=self.device,
             max_requests=max_requests, anchor_of=[mcfg.anchor_of(l) for l in range(L)],
-            backend=backend)
-        self.handle = HiSparseCacheHandle(self.runtime, mcfg.row_dim, model.dtype)
+            backend=backend,
+            spare_rows=0 if fast is None else spare_rows_for(num_device_blocks * layout.page_size))
+        self.handle = HiSparseCacheHandle(self.runtime, mcfg.row_dim, model.dtype, kv_codec)
+        self.fast = None if fast is None else FastExecutor(
+            model, self.runtime, self.handle.codec, fast, block_threads=cfg.swap_in_block_size)
         self.index: dict[RequestId, IndexerKeyCache] = {}
         self.samplers: dict[RequestId, Sampler] = {}  # rank 0; absent = greedy
         self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
@@ -88,7 +100,7 @@ class HiSparseWorker:
                 or hot_counts_every < 1:
             raise ConfigError("hot_counts_every", hot_counts_every, "an int >= 1")
         self.hot_counts_every = hot_counts_every
-        self._steps_uncounted = 0  # forwards since rank 0 last read the hot counts
+        self._steps_uncounted = 0  # reference-path forwards since rank 0 last read the hot counts
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
         self.on_logits: Any = None  # on_logits(cmd, logits [B, V]) after each forward (tests, tools)
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
@@ -118,9 +130,15 @@ class HiSparseWorker:
         """Drop what a landing installed for ``rid`` (keys, sampler): it will never decode."""
         self.index.pop(rid, None)
         self.samplers.pop(rid, None)
+        if self.fast is not None:
+            self.fast.release(rid)
 
     def install_index_keys(self, rid: RequestId, keys: Tensor | None, capacity: int) -> None:
-        """The prefix's indexer keys ``[L, T, d]`` (dense, device-resident, model-owned)."""
+        """The prefix's indexer keys ``[L, T, d]`` (dense, device-resident, model-owned; paged in
+        the GPU pool on the fast path)."""
+        if self.fast is not None:
+            self.fast.install(rid, keys, capacity)
+            return
         mcfg = self.model.cfg
         cache = IndexerKeyCache(mcfg.num_hidden_layers, mcfg.index_head_dim, max(capacity, 1),
                                 dtype=self.model.dtype, device=self.device)
@@ -133,7 +151,7 @@ class HiSparseWorker:
         """In-process landing: write ``kv_rows [L, T, row_dim]`` of positions ``0..T-1`` into the
         admission's non-reused pages (device blocks on every rank, host blocks by rank 0)."""
         ps = self.layout.page_size
-        data = kv_rows.to(self.model.dtype).contiguous().view(torch.uint8)  # [L, T, row_bytes]
+        data = self.handle.codec.encode(kv_rows)  # [L, T, row_bytes] uint8 (the KV-cache dtype)
         T = data.shape[1]
         wrote_host = False
         for page in adm.pages:
@@ -165,6 +183,8 @@ class HiSparseWorker:
                 rt.remove(rid)
             self.index.pop(rid, None)
             self.samplers.pop(rid, None)
+            if self.fast is not None:
+                self.fast.release(rid)
         for diff in cmd.table_diffs:
             rt.apply_diff(diff)
         enqueued: list[int] = []
@@ -172,27 +192,20 @@ class HiSparseWorker:
         # measured on the H200 at 4.6x (spill) / 2.8x (restore) the per-layer memcpy path.
         self._enqueue_transfers(cmd, enqueued)
         sampled: tuple = ()
+        fast = self.fast is not None and self.trace is None and bool(cmd.batch)
         if cmd.batch:
             for handle in (h for _, h in self._pending):
                 handle.order_before()
-            sampled = self._forward(cmd)
-            self._steps_uncounted += 1
-            if self.writer and self._steps_uncounted >= self.hot_counts_every:
-                self._take_hot_counts(counts)
+            sampled, fast_counts = self._forward(cmd, enqueued)
+            for rid, h, m in fast_counts:  # the fast step reads its own (with its tokens)
+                counts[rid] = (h, m)
+            if not fast:
+                self._steps_uncounted += 1
+                if self.writer and self._steps_uncounted >= self.hot_counts_every:
+                    self._take_hot_counts(counts)
+        if cmd.backups and not fast:  # the fast path enqueued them while its step ran
+            self._enqueue_backups(cmd, enqueued)
         per_request = [(rid, h, m) for rid, (h, m) in counts.items()]
-        if cmd.backups:
-            ids = tuple(b.transfer_id for b in cmd.backups)
-            if self.writer:
-                src = [rt.device_row(b.request_id, b.position) for b in cmd.backups]
-                dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
-                self.pool.begin_write()
-                handle = backup_rows(rt.device_kv, self.pool, src, dst)
-                self.pool.publish()
-                self._pending.append((ids, handle))
-            else:
-                self._pending.append((ids, CopyHandle()))
-            enqueued.extend(ids)
-            self.counters["backups"] += len(ids)
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
         self.counters["steps"] += 1
@@ -210,6 +223,23 @@ class HiSparseWorker:
             h0, m0 = into.get(rid, (0, 0))
             into[rid] = (h0 + h, m0 + m)
         self._steps_uncounted = 0
+
+    def _enqueue_backups(self, cmd: StepCommand, enqueued: list[int]) -> None:
+        """The newest rows of host-tier requests, device -> host on the side stream (after the
+        forward that wrote them: the side stream waits for the current one)."""
+        ids = tuple(b.transfer_id for b in cmd.backups)
+        if self.writer:
+            row = self.fast.device_row if self.fast is not None else self.runtime.device_row
+            src = [row(b.request_id, b.position) for b in cmd.backups]
+            dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
+            self.pool.begin_write()
+            handle = backup_rows(self.runtime.device_kv, self.pool, src, dst)
+            self.pool.publish()
+            self._pending.append((ids, handle))
+        else:
+            self._pending.append((ids, CopyHandle()))
+        enqueued.extend(ids)
+        self.counters["backups"] += len(ids)
 
     def _enqueue_transfers(self, cmd: StepCommand, enqueued: list[int]) -> None:
         spills = [t for t in cmd.transfers if t.kind is TransferKind.SPILL]
@@ -261,7 +291,7 @@ class HiSparseWorker:
             self.index[rid] = cache = grown
         return cache
 
-    def _forward(self, cmd: StepCommand):
+    def _forward(self, cmd: StepCommand, enqueued: list[int]):
         rt, H = self.runtime, self.cfg.device_buffer_size
         for row in cmd.batch:
             if rt.set_hot_blocks(row.request_id, row.hot_blocks) and row.hot_blocks:
@@ -271,6 +301,8 @@ class HiSparseWorker:
                     fill_rows(rt.device_kv, self.pool,
                               [rt.host_row(row.request_id, p) for p in range(n - 1)],
                               slots[: n - 1]).wait()
+        if self.fast is not None and self.trace is None:
+            return self._forward_fast(cmd, enqueued)
         # Batch-invariant mode runs each row as its own batch of one: matmul results depend on the
         # batch shape (measured: torch CPU linear differs bitwise between M=1 and M=5), so only
         # this makes a request's logits independent of what else the scheduler batched with it.
@@ -298,7 +330,30 @@ class HiSparseWorker:
                 sampler = self.samplers.get(r.request_id)
                 toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
             sampled = tuple((r.request_id, t) for r, t in zip(cmd.batch, toks))
-        return sampled
+        return sampled, ()
+
+    def _forward_fast(self, cmd: StepCommand, enqueued: list[int]):
+        """The batch as one fast step (greedy tokens come from the device; a row sampling with a
+        temperature reads its logits back). The step's backups are enqueued while the GPU runs."""
+        launched = self.fast.launch(cmd.batch)
+        if cmd.backups:
+            self._enqueue_backups(cmd, enqueued)
+        toks, hits, misses, logits = self.fast.collect(launched)
+        if self.on_logits is not None:
+            self.on_logits(cmd, logits)
+        per_request = [(r.request_id, h, m) for r, h, m in zip(cmd.batch, hits, misses)]
+        if not self.writer:
+            return (), per_request
+        host = None
+        out = []
+        for b, r in enumerate(cmd.batch):
+            sampler = self.samplers.get(r.request_id)
+            if sampler is not None and sampler.params.temperature > 0:
+                host = logits.float().cpu() if host is None else host
+                out.append((r.request_id, sampler(host[b])))
+            else:
+                out.append((r.request_id, toks[b]))
+        return tuple(out), per_request
 
     def close(self) -> None:
         self._take_completed(wait=True)
