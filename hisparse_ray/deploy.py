@@ -370,21 +370,10 @@ class ByteTokenizer:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return self.encode(text + ("assistant: " if add_generation_prompt else ""))
 
-    def stream(self) -> "_ByteStream":
-        return _ByteStream(self)
+    def stream(self):  # one id is one character: every push is final
+        from types import SimpleNamespace
 
-
-class _ByteStream:
-    """TEMPORARY (see ByteTokenizer): one id is one character, so every push is final."""
-
-    def __init__(self, tok: ByteTokenizer) -> None:
-        self._tok = tok
-
-    def push(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
-
-    def flush(self) -> str:
-        return ""
+        return SimpleNamespace(push=self.decode, flush=lambda: "")
 
 
 @dataclass(frozen=True, slots=True)
