@@ -40,6 +40,7 @@ def main(max_new_tokens: int = 6, out_dir: str | None = None) -> None:
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", num_cpus=4,
                  include_dashboard=False, log_to_driver=False)
     try:
+        serve.start(proxy_location="Disabled")  # handles only (a no-op where Serve runs already)
         serve.run(build_engine_app(OPTIONS), name=APP, route_prefix=None)
         processor = build_processor(
             ServeDeploymentProcessorConfig(deployment_name="HiSparseServer", app_name=APP,

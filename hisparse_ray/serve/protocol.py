@@ -102,6 +102,9 @@ class _Sampled(_Strict):
                                param=name)
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream=true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ApiError(400, "stream_options.continuous_usage_stats is not supported",
+                           param="stream_options")
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

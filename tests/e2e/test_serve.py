@@ -38,6 +38,7 @@ def app(ray_cluster):
 
     port = free_port("127.0.0.1")
     quiet = {"log_level": "WARNING"}  # not a line per request in the test log
+    serve.shutdown()  # Serve of an earlier module (an example) would keep its HTTP options
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
     serve.run(build_openai_app(OPTIONS), name="hisparse-test", route_prefix="/",
               logging_config=quiet)
