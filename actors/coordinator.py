@@ -93,8 +93,8 @@ class ReplicaCoordinator:
         anchors = len({mcfg.anchor_of(l) for l in range(mcfg.num_hidden_layers)})
         # resolver misses are counted per anchor layer; a shared layer replays its anchor's copies
         self.miss_bytes = spec.layout.bytes_per_token_layer * mcfg.num_hidden_layers / anchors
-        self.metrics = ReplicaMetrics(spec.model.kind, spec.replica_id,
-                                      lambda: replica_snapshot(self))
+        model_name = spec.model.kind.rstrip("/").rsplit("/", 1)[-1]  # a folder: its name
+        self.metrics = ReplicaMetrics(model_name, spec.replica_id, lambda: replica_snapshot(self))
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:

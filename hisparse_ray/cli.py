@@ -19,9 +19,19 @@ import time
 from dataclasses import MISSING, fields
 
 from hisparse_ray.config import KVLayout, env_ray_address
-from hisparse_ray.deploy import GROUPS, ByteTokenizer, DeployOptions, load_config, visible_gpus
+from hisparse_ray.deploy import GROUPS, DeployOptions, load_config, visible_gpus
 
 CLI_GROUPS = {"demo": GROUPS[:4], "generate": GROUPS[:4], "serve": GROUPS}
+
+
+def __getattr__(name: str):
+    """``cli.ByteTokenizer``: lives in :mod:`hisparse_ray.model.tokenizer` (imported on use: that
+    package loads torch, which ``hisparse-ray --help`` need not wait for)."""
+    if name == "ByteTokenizer":
+        from hisparse_ray.model.tokenizer import ByteTokenizer
+
+        return ByteTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def options(args: argparse.Namespace) -> DeployOptions:
@@ -160,7 +170,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     opts = options(args)
     replica_spec, prefill_spec = opts.specs()
-    tok = ByteTokenizer()
+    tok = replica_spec.model.tokenizer()  # a folder's HF tokenizer, or the built-ins' byte one
+    if tok is None and args.prompt:
+        raise SystemExit(f"--prompt: the model {opts.model} has no tokenizer; give --ids")
     requests: list[tuple[str, list[int]]] = []
     for i, text in enumerate(args.prompt or []):
         requests.append((f"p{i}", tok.encode(text)))
@@ -203,6 +215,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         from hisparse_ray.serve import build_openai_app
         from hisparse_ray.serve.builder import options_of
+        from hisparse_ray.serve.protocol import model_id
     except ImportError as err:
         raise SystemExit(f"hisparse-ray serve needs Ray Serve and openai: pip install "
                          f"'hisparse-ray[serve]' ({err})") from None
@@ -221,7 +234,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         key = " (API key required)" if opts.api_key else ""
         print(f"serving the OpenAI API on http://{args.host}:{args.port}/v1{key} (up in "
               f"{time.perf_counter() - t0:.1f}s); model "
-              f"{opts.served_model_name or 'hisparse-' + opts.model!r}; Ctrl-C stops",
+              f"{model_id(opts)!r}; Ctrl-C stops",
               flush=True)
         stop.wait()
         print("stopping: answering requests in flight with 503...", flush=True)

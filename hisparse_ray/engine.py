@@ -183,6 +183,18 @@ class Engine:
         self._pending.pop(adm.request_id, None)
         self.core.apply_landed(adm.request_id)
 
+    def abort(self, request_id: str) -> list[int]:
+        """Finish a request now (waiting or running); its blocks are released once nothing of it
+        is in flight. Returns the tokens it generated so far (a prefix of its full answer)."""
+        rid = RequestId(request_id)
+        self.core.finish(rid)  # UnknownRequestError / StateError before anything changes
+        self._pending.pop(rid, None)
+        if (self.core.view(rid).state is RequestState.RELEASED
+                and rid not in self.worker.runtime.requests):  # no step ever named it
+            self.worker.index.pop(rid, None)
+            self.worker.samplers.pop(rid, None)
+        return self.result(request_id)
+
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> bool:
         """Admit what fits, run one decode step. False when nothing could be done."""

@@ -68,7 +68,7 @@ class OpenAIServer:
         replica_spec, prefill_spec = options.specs(0)
         self.engine = engine
         self.options = options
-        self.model_id = options.served_model_name or f"hisparse-{options.model}"
+        self.model_id = P.model_id(options)
         self.tokenizer = replica_spec.model.tokenizer()
         self.max_prompt_tokens = prefill_spec.max_prompt_tokens
         self.created = P.now()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,6 +25,12 @@ from hisparse_ray.errors import CapacityError, ConfigError, HiSparseError, Inval
 from hisparse_ray.errors import StateError, TransferError
 
 MAX_STOPS = 16
+
+
+def model_id(options) -> str:
+    """The model id clients name (``DeployOptions``): ``served_model_name``, else
+    ``hisparse-<kind>`` (a model folder: its last path component, as vLLM names a folder)."""
+    return options.served_model_name or f"hisparse-{Path(options.model.rstrip('/')).name}"
 
 
 class ApiError(Exception):
