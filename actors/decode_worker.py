@@ -109,11 +109,20 @@ class DecodeWorker:
         if self.rank != 0:
             raise StateError("only rank 0 creates the host pool")
         self.pool = HostPool.create(self.spec.replica_id, self.spec.layout, self.spec.num_host_blocks,
-                                    register_cuda=self.spec.use_cuda)
+                                    register_cuda=self.spec.use_cuda,
+                                    shm_dir=self.spec.host_pool_dir)
         return self.pool.name
 
     def attach_host_pool(self, name: str) -> None:
-        self.pool = HostPool.attach(name, register_cuda=self.spec.use_cuda)
+        self.pool = HostPool.attach(name, register_cuda=self.spec.use_cuda,
+                                    shm_dir=self.spec.host_pool_dir)
+
+    def unlink_host_pool(self) -> None:
+        """Rank 0, once every peer attached: the segment's name goes, the mappings stay, so no
+        way this replica ends (SIGKILL of any rank included) leaves it in ``host_pool_dir``."""
+        if self.rank != 0 or self.pool is None:
+            raise StateError("only rank 0 unlinks the host pool, after creating it")
+        self.pool.unlink()
 
     def build(self) -> RankEndpoint:
         """Model shard, runtime + step executor, NIXL regions; returns this rank's endpoint."""

@@ -7,7 +7,8 @@ CUDA IPC; prefill workers may sit on any node. Start-up of a replica, in order:
 
 1. placement group ready; ranks created (bundle i+1 = rank i; bundle 0 = the coordinator);
 2. rank 0 picks the TP rendezvous (its node IP + a free port), every rank joins the group;
-3. rank 0 creates the shared host pool, peers attach it;
+3. rank 0 creates the shared host pool, peers attach it, rank 0 unlinks its name (the mappings
+   keep it; no exit path can leave it behind in ``host_pool_dir``);
 4. every rank builds its model shard, runtime and NIXL agent (regions registered, then metadata);
 5. the coordinator is created with the ranks' endpoints and opens one channel pair per rank;
 6. prefill workers are connected: agent metadata exchanged through the coordinator.
@@ -156,6 +157,7 @@ def start_ranks(spec: ReplicaSpec, pg: PlacementGroup | None, *, build: bool = T
         ray.get([r.join_tp.remote(rdv) for r in ranks])
         pool_name = ray.get(ranks[0].create_host_pool.remote())
         ray.get([r.attach_host_pool.remote(pool_name) for r in ranks[1:]])
+        ray.get(ranks[0].unlink_host_pool.remote())  # every rank mapped it: the name may go
         if build:
             ray.get([r.build.remote() for r in ranks])
     except BaseException:

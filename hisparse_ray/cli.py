@@ -1,5 +1,5 @@
 """Command line ``hisparse-ray`` (ring 3): ``demo`` (the main job on the embedded default),
-``generate`` (your prompts and config), ``serve`` (HTTP through Ray Serve) and ``smoke`` (start
+``generate`` (your prompts and config), ``serve`` (the OpenAI API through Ray Serve) and ``smoke`` (start
 Ray, print the config).
 
 ``demo`` starts a local Ray cluster, one prefill worker and one decode replica with TP 2 on the
@@ -18,8 +18,9 @@ import sys
 import time
 from dataclasses import MISSING, fields
 
-from hisparse_ray.config import KVLayout, env_ray_address
-from hisparse_ray.deploy import GROUPS, DeployOptions, load_config, visible_gpus
+from hisparse_ray.config import GIB, KVLayout, env_ray_address
+from hisparse_ray.deploy import GROUPS, DeployOptions, ReplicaSpec, load_config, visible_gpus
+from hisparse_ray.errors import ConfigError
 
 CLI_GROUPS = {"demo": GROUPS[:4], "generate": GROUPS[:4], "serve": GROUPS}
 
@@ -39,6 +40,74 @@ def options(args: argparse.Namespace) -> DeployOptions:
     ConfigError naming a bad flag's option and value."""
     return DeployOptions.from_dict({f.name: getattr(args, f.name) for f in fields(DeployOptions)
                                     if hasattr(args, f.name)})
+
+
+def pool_summary(spec: ReplicaSpec) -> str:
+    """One line to print before anything starts: the host pool's size (the ``/dev/shm`` segment
+    rank 0 will create), the device pool's and the hot buffer's."""
+    from hisparse_ray.host.segment import pool_bytes
+
+    lay, c = spec.layout, spec.hisparse
+    host = pool_bytes(lay, spec.num_host_blocks)
+    device = spec.num_device_blocks * lay.block_bytes
+    return (f"host pool: {spec.num_host_blocks} blocks of {spec.page_size} tokens = "
+            f"{_size(host)} in {spec.host_pool_dir} (host_pool_gib={c.host_pool_gib:g}); device "
+            f"pool: {spec.num_device_blocks} blocks = {_size(device)} per rank; hot buffer "
+            f"{c.device_buffer_size} slots per request, top-k {c.top_k}")
+
+
+def check_host_fits(spec: ReplicaSpec, replicas: int = 1) -> int:
+    """Before anything starts on THIS node (the CLI's local cluster): ConfigError unless
+    ``replicas`` host pools of ``spec`` fit its ``host_pool_dir`` and memory, as
+    ``HostPool.create`` will demand (``host.segment.fit_problem``). Returns their bytes."""
+    from hisparse_ray.host.segment import fit_problem, pool_bytes
+
+    need = replicas * pool_bytes(spec.layout, spec.num_host_blocks)
+    try:
+        why = fit_problem(need, spec.host_pool_dir)
+    except OSError as e:
+        raise ConfigError("host_pool_dir", spec.host_pool_dir,
+                          f"must be a directory on this node ({e.strerror})") from None
+    if why:
+        raise ConfigError("host_pool_gib", spec.hisparse.host_pool_gib,
+                          f"{replicas} host pool(s) of {_size(need // replicas)} on this node: "
+                          f"{why}")
+    return need
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
+
+
+def deployment(args: argparse.Namespace, replicas: int = 1, out=None):
+    """Options, specs and this node's checks of a command, all before Ray starts: ConfigError
+    naming the option for a bad value, a config that does not fit the model, or pools that do
+    not fit (the device pool one hot buffer; ``replicas`` host pools this node's
+    ``host_pool_dir`` and memory). Prints the pools' sizes (to ``out``, default stdout).
+    Returns (options, replica spec, prefill spec)."""
+    opts = options(args)
+    check_host_fits(opts.specs(gpus=0)[0], replicas)  # sizes before torch looks for GPUs
+    replica_spec, prefill_spec = opts.specs()
+    print(pool_summary(replica_spec) + (f", x{replicas} replicas" if replicas > 1 else ""),
+          file=out or sys.stdout, flush=True)
+    return opts, replica_spec, prefill_spec
+
+
+def _request_ids(args: argparse.Namespace, vocab: int, tok=None) -> list[tuple[str, list[int]]]:
+    """``--prompt`` texts (through ``tok``, the model's tokenizer) and ``--ids`` lists as (request
+    id, token ids); ConfigError naming ``ids`` for a value that is not a list of ids in
+    ``[0, vocab)``."""
+    requests = [(f"p{i}", tok.encode(text)) for i, text in enumerate(args.prompt or [])]
+    for i, ids in enumerate(args.ids or []):
+        try:
+            toks = [int(x) for x in ids.replace(",", " ").split()]
+        except ValueError:
+            toks = []
+        if not toks or not all(0 <= t < vocab for t in toks):
+            raise ConfigError("ids", ids, f"must be token ids in [0, {vocab}) separated by commas "
+                                          f"or spaces")
+        requests.append((f"ids{i}", toks))
+    return requests
 
 
 def _start_ray(num_cpus: int | None, address: str | None = None) -> bool:
@@ -120,9 +189,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hisparse_ray.actors import launch
 
     t_start = time.perf_counter()
-    opts = options(args)
+    opts, replica_spec, prefill_spec = deployment(args)
     cfg = opts.config
-    replica_spec, prefill_spec = opts.specs()
     rng = random.Random(opts.seed)
     lengths = [rng.randint(args.min_context, args.max_context) for _ in range(args.requests)]
     requests = [(f"req{i}", [rng.randrange(1, 96) for _ in range(n)]) for i, n in enumerate(lengths)]
@@ -168,16 +236,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from hisparse_ray.actors import launch
 
-    opts = options(args)
-    replica_spec, prefill_spec = opts.specs()
+    opts, replica_spec, prefill_spec = deployment(args, out=sys.stderr if args.json else None)
     tok = replica_spec.model.tokenizer()  # a folder's HF tokenizer, or the built-ins' byte one
     if tok is None and args.prompt:
         raise SystemExit(f"--prompt: the model {opts.model} has no tokenizer; give --ids")
-    requests: list[tuple[str, list[int]]] = []
-    for i, text in enumerate(args.prompt or []):
-        requests.append((f"p{i}", tok.encode(text)))
-    for i, ids in enumerate(args.ids or []):
-        requests.append((f"ids{i}", [int(x) for x in ids.replace(",", " ").split()]))
+    requests = _request_ids(args, replica_spec.model.dsa_config().vocab_size, tok)
     if not requests:
         raise SystemExit("give at least one --prompt TEXT or --ids '1,2,3'")
     _start_ray(args.num_cpus, args.address)
@@ -221,7 +284,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          f"'hisparse-ray[serve]' ({err})") from None
 
     opts = options_of(options(args))  # the API key defaults to $HISPARSE_API_KEY
-    app = build_openai_app(opts)  # option errors before anything starts
+    deployment(args, opts.num_replicas)  # option errors and this node's sizes before Ray starts
+    app = build_openai_app(opts)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

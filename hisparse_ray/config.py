@@ -13,6 +13,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from hisparse_ray.errors import ConfigError
@@ -87,23 +88,76 @@ class HiSparseConfig:
                    host_pool_gib=0.01)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HiSparseConfig":
+    def from_dict(cls, data: dict[str, Any], base: "HiSparseConfig | None" = None
+                  ) -> "HiSparseConfig":
+        """The config ``data`` names; keys left out keep ``base``'s values (None: the class
+        defaults, SGLang's production sizes). An unknown key raises ConfigError naming it."""
         if not isinstance(data, dict):
             raise ConfigError("hisparse-config", data, "must be a JSON object")
         known = {f.name for f in fields(cls)}
         for key in data:
             if key not in known:
                 raise ConfigError(key, data[key], f"unknown key; allowed keys: {sorted(known)}")
-        return cls(**data)
+        return cls(**{**(base.to_dict() if base is not None else {}), **data})
 
     @classmethod
-    def from_json(cls, text: str) -> "HiSparseConfig":
-        """Parse SGLang's ``--hisparse-config`` JSON (``host_pool_gib`` may be added)."""
+    def from_json(cls, text: str, base: "HiSparseConfig | None" = None) -> "HiSparseConfig":
+        """Parse SGLang's ``--hisparse-config`` JSON (``host_pool_gib`` may be added); keys left
+        out keep ``base``'s values (None: the class defaults)."""
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, TypeError) as e:
             raise ConfigError("hisparse-config", text, f"must be valid JSON ({e})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(data, base)
+
+    def check_model(self, index_topk: int, model: str = "the model") -> None:
+        """ConfigError naming ``top_k`` unless this config fits a model whose indexer selects
+        ``index_topk`` positions per layer and step: the resolver maps exactly that selection,
+        so ``top_k`` must equal it (and ``device_buffer_size >= top_k`` then gives every
+        selected position a hot slot). Checked wherever a config meets a model (``Engine``,
+        ``HiSparseWorker``, ``ReplicaSpec``), so a mismatch never reaches a decode step."""
+        if self.top_k != index_topk:
+            hot = "" if self.device_buffer_size >= index_topk else (
+                f"; device_buffer_size={self.device_buffer_size} must then be >= {index_topk}")
+            raise ConfigError("top_k", self.top_k,
+                              f"must equal {model}'s index_topk ({index_topk}): its indexer "
+                              f"selects {index_topk} positions per layer and step, each needing "
+                              f"a hot slot{hot}")
+
+    @classmethod
+    def load(cls, value: Any, base: "HiSparseConfig | None" = None) -> "HiSparseConfig":
+        """A config from what a front door was given: a ``HiSparseConfig``, a dict, inline JSON or
+        the path of a JSON file. Keys left out keep ``base``'s values (None: the class defaults);
+        None or "" is ``base``. A path that is not there, a file that is not JSON and JSON that
+        is not an object raise ConfigError (key ``config``) saying which."""
+        base = cls() if base is None else base
+        if isinstance(value, cls):
+            return value
+        if value is None or value == "":
+            return base
+        if isinstance(value, dict):
+            return cls.from_dict(value, base)
+        if not isinstance(value, str):
+            raise ConfigError("config", value, "must be a HiSparseConfig, a dict, inline JSON or "
+                                               "the path of a JSON file")
+        text = value.strip()
+        if text.startswith("{"):
+            return cls.from_json(text, base)
+        path = Path(text).expanduser()
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise ConfigError("config", value, f"the file is not readable JSON ({e})") from None
+            return cls.from_dict(data, base)
+        if path.exists():
+            raise ConfigError("config", value, "is not a file: give a JSON file or inline JSON")
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise ConfigError("config", value, "no such file; give the path of a JSON file or "
+                                               "inline JSON like '{\"top_k\": 8}'") from None
+        return cls.from_dict(data, base)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,7 +188,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         _int("num_layers", self.num_layers, lo=1, allowed="must be >= 1")
-        if self.kv_dtype not in KV_ROW_BYTES:
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_ROW_BYTES:
             raise ConfigError("kv_dtype", self.kv_dtype, f"must be one of {sorted(KV_ROW_BYTES)}")
         _int("page_size", self.page_size, lo=1, allowed="must be >= 1 (tokens per page)")
         if self.row_bytes is not None:
@@ -208,6 +262,8 @@ class CoordinatorConfig:
             _pos_int(key, getattr(self, key))
         _pos_int("page_bytes", self.page_bytes, lo=0)
         _pos_int("row_bytes", self.row_bytes, lo=0)
+        if not isinstance(self.host_tier, bool):
+            raise ConfigError("host_tier", self.host_tier, "must be True or False")
         if self.hot_blocks_per_request > self.num_device_blocks:
             raise ConfigError(
                 "num_device_blocks", self.num_device_blocks,

@@ -54,3 +54,15 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def private_shm():
+    """A private directory on /dev/shm's tmpfs for host pool segments (``shm_dir`` /
+    ``ReplicaSpec.host_pool_dir``): what a test finds in it is its own, whatever else runs."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="hs-test-shm-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hisparse_ray.checks import check_int, check_number
 from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.errors import ConfigError, StateError
 from hisparse_ray.fastpath.config import FastPathConfig
@@ -79,6 +80,7 @@ class HiSparseWorker:
         self.model, self.cfg, self.layout, self.pool, self.rank = model, cfg, layout, pool, rank
         self.device = torch.device(device)
         mcfg = model.cfg
+        cfg.check_model(mcfg.index_topk, model=f"the {mcfg.kind} model")
         L = mcfg.num_hidden_layers
         if L != layout.num_layers:
             raise ConfigError("num_layers", layout.num_layers, f"must equal the model's {L} layers")
