@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from hisparse_ray.rank.executor import HiSparseWorker
 
 POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle
+HOT_COUNTS_EVERY = 16  # on a GPU rank 0 reads its hot-buffer counters every 16 steps (no per-step sync)
 
 
 class DecodeWorker:
@@ -137,7 +138,8 @@ class DecodeWorker:
             model, spec.hisparse, spec.layout, spec.num_device_blocks, self.pool, rank=self.rank,
             device=spec.device, max_requests=max(spec.num_device_blocks, spec.max_batch) + 1,
             sync_host_writes=self._sync_host_writes,
-            kv_codec=row_codec(spec.kv_cache_dtype, model.cfg, model.dtype), fast=spec.fast_path)
+            kv_codec=row_codec(spec.kv_cache_dtype, model.cfg, model.dtype), fast=spec.fast_path,
+            hot_counts_every=HOT_COUNTS_EVERY if spec.use_cuda else 1)
         self.engine = self._engine or NixlTransferEngine(
             f"decode-{spec.replica_id}-r{self.rank}-{os.getpid()}")
         dev = [self.engine.register(f"dev.{l}", t)

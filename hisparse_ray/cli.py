@@ -1,5 +1,5 @@
 """Command line ``hisparse-ray`` (ring 3): ``demo`` (the main job on the embedded default),
-``generate`` (your prompts and config), ``serve`` (HTTP through Ray Serve) and ``smoke`` (start
+``generate`` (your prompts and config), ``serve`` (the OpenAI API through Ray Serve) and ``smoke`` (start
 Ray, print the config).
 
 ``demo`` starts a local Ray cluster, one prefill worker and one decode replica with TP 2 on the
@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import MISSING, fields
 
-from hisparse_ray.config import GIB, KVLayout
+from hisparse_ray.config import GIB, KVLayout, env_ray_address
 from hisparse_ray.deploy import GROUPS, DeployOptions, ReplicaSpec, load_config, visible_gpus
 from hisparse_ray.errors import ConfigError
 
@@ -110,12 +110,19 @@ def _request_ids(args: argparse.Namespace, vocab: int, tok=None) -> list[tuple[s
     return requests
 
 
-def _start_ray(num_cpus: int | None) -> None:
+def _start_ray(num_cpus: int | None, address: str | None = None) -> bool:
+    """Attach to the Ray cluster at ``address`` (``--address``, else ``$RAY_ADDRESS``: what
+    ``ray job submit`` sets), else start a private local one. Returns whether it attached."""
     import ray
 
+    address = address or env_ray_address()
+    if address:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        return True
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
              num_gpus=visible_gpus(), include_dashboard=False,
              log_to_driver=False, configure_logging=False)
+    return False
 
 
 def run_requests(replica, requests: list[tuple[str, list[int]]], max_new_tokens: int,
@@ -194,7 +201,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           + (f" ({replica_spec.gpus_per_rank:g} GPU per rank)" if replica_spec.use_cuda else "")
           + f", {'fast step' if replica_spec.fast_path else 'reference'} decode path, KV rows "
           f"{replica_spec.kv_cache_dtype} ({replica_spec.layout.bytes_per_token_layer} B)")
-    _start_ray(args.num_cpus)
+    _start_ray(args.num_cpus, args.address)
     try:
         t0 = time.perf_counter()
         replica = launch.launch_deployment(replica_spec, prefill_spec)
@@ -238,7 +245,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     requests = _request_ids(args, replica_spec.model.dsa_config().vocab_size, tok)
     if not requests:
         raise SystemExit("give at least one --prompt TEXT or --ids '1,2,3'")
-    _start_ray(args.num_cpus)
+    _start_ray(args.num_cpus, args.address)
     try:
         replica = launch.launch_deployment(replica_spec, prefill_spec)
         try:
@@ -261,7 +268,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    """Serve ``generate`` over HTTP with Ray Serve until interrupted (Ctrl-C or SIGTERM)."""
+    """Serve the OpenAI API with Ray Serve until interrupted (Ctrl-C or SIGTERM): then every
+    request in flight is answered 503 (its decode replica drains) and the app stops."""
     import signal
     import threading
 
@@ -269,36 +277,69 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         from ray import serve
+
+        from hisparse_ray.serve import build_openai_app
+        from hisparse_ray.serve.builder import options_of
+        from hisparse_ray.serve.protocol import model_id
     except ImportError as err:
-        raise SystemExit(f"hisparse-ray serve needs Ray Serve: pip install "
+        raise SystemExit(f"hisparse-ray serve needs Ray Serve and openai: pip install "
                          f"'hisparse-ray[serve]' ({err})") from None
 
-    from hisparse_ray.serve import build_app
-
-    opts = options(args)
+    opts = options_of(options(args))  # the API key defaults to $HISPARSE_API_KEY
     deployment(args, opts.num_replicas)  # option errors and this node's sizes before Ray starts
-    app = build_app(opts)
+    app = build_openai_app(opts)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    _start_ray(args.num_cpus)
+    attached = _start_ray(args.num_cpus, args.address)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         print(f"starting {opts.num_replicas} HiSparse replica(s) (TP {opts.tp})...", flush=True)
         t0 = time.perf_counter()
-        serve.run(app, name="hisparse", route_prefix="/", blocking=False)
-        print(f"serving on http://{args.host}:{args.port}/ (up in "
-              f"{time.perf_counter() - t0:.1f}s); POST JSON like "
-              f"{{\"prompt\": \"hello\", \"max_new_tokens\": 8}} or {{\"ids\": [5, 17, 3]}}; "
-              f"Ctrl-C stops", flush=True)
+        serve.run(app, name=args.app_name, route_prefix="/", blocking=False)
+        key = " (API key required)" if opts.api_key else ""
+        print(f"serving the OpenAI API on http://{args.host}:{args.port}/v1{key} (up in "
+              f"{time.perf_counter() - t0:.1f}s); model "
+              f"{model_id(opts)!r}; Ctrl-C stops",
+              flush=True)
         stop.wait()
-        print("stopping...", flush=True)
+        print("stopping: answering requests in flight with 503...", flush=True)
+        print(f"drained {drain_app(args.app_name)} request(s)", flush=True)
     finally:
         try:
-            serve.shutdown()
+            serve.delete(args.app_name)
+            if not attached:
+                serve.shutdown()
         finally:
             ray.shutdown()
     return 0
+
+
+def drain_app(app_name: str, timeout_s: float = 10.0) -> int:
+    """Drain the decode replicas of a Serve app (their coordinators are named actors): every
+    request in flight ends with ``StateError`` -> HTTP 503, new ones are refused. Returns how
+    many requests were in flight."""
+    import ray
+
+    from hisparse_ray.serve.server import COORDINATOR_PREFIX
+
+    prefix = f"{COORDINATOR_PREFIX}{app_name}:"
+    refs = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefix):
+            try:
+                coord = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                refs.append(coord.drain.remote("server is shutting down"))
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                pass
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    total = 0
+    for ref in done:
+        try:
+            total += ray.get(ref)
+        except Exception:  # noqa: BLE001 - a replica that died meanwhile has nothing to drain
+            pass
+    return total
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
@@ -307,7 +348,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     layout = KVLayout()
     t0 = time.perf_counter()
-    _start_ray(args.num_cpus)
+    _start_ray(args.num_cpus, args.address)
     try:
         res = ray.cluster_resources()
         print(f"local Ray cluster up in {time.perf_counter() - t0:.1f}s: "
@@ -323,7 +364,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
 
 _TITLES = {"model": "model", "replica": "decode replica", "prefill": "prefill worker",
            "request": "requests", "serve": "Ray Serve"}
-_METAVARS = {"int": "N", "float": "X", "float?": "X", "str": "NAME", "dict?": "JSON",
+_METAVARS = {"int": "N", "float": "X", "float?": "X", "str": "NAME", "dict?": "JSON", "json?": "JSON",
              "config": "JSON"}
 
 
@@ -341,6 +382,8 @@ def _deployment_args(p: argparse.ArgumentParser, command: str) -> None:
             choices=meta["choices"] or None, metavar=None if meta["choices"] else
             _METAVARS[meta["kind"]], help=meta["help"] + shown)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
+    p.add_argument("--address", default=None, help="attach to this Ray cluster (default: "
+                   "$RAY_ADDRESS, e.g. set by `ray job submit`; else start a local one)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -361,15 +404,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ids", action="append", help="prompt token ids, e.g. '5,17,3' (repeatable)")
     g.add_argument("--json", action="store_true", help="print results as JSON")
     g.set_defaults(func=_cmd_generate)
-    v = sub.add_parser("serve", help="serve generate over HTTP with Ray Serve (POST JSON "
-                       "{\"prompt\": ...} or {\"ids\": [...]})")
+    v = sub.add_parser("serve", help="serve the OpenAI API (/v1/completions, "
+                       "/v1/chat/completions, /v1/models) with Ray Serve")
     _deployment_args(v, "serve")
     v.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--app-name", default="hisparse", help="the Serve application's name")
     v.set_defaults(func=_cmd_serve)
     s = sub.add_parser("smoke", help="start a local Ray cluster and print the config")
     s.add_argument("--config", help="HiSparse config JSON (SGLang --hisparse-config keys)")
     s.add_argument("--num-cpus", type=int, default=2)
+    s.add_argument("--address", default=None, help="attach to this Ray cluster")
     s.set_defaults(func=_cmd_smoke)
     return p
 

@@ -313,6 +313,16 @@ class CoordinatorConfig:
         )
 
 
+def env_api_key() -> str:
+    """The HTTP API key from ``HISPARSE_API_KEY`` ("" when unset): the serve front end's default."""
+    return os.environ.get("HISPARSE_API_KEY", "")
+
+
+def env_ray_address() -> str:
+    """``RAY_ADDRESS`` ("" when unset): the cluster ``ray job submit`` runs an entrypoint on."""
+    return os.environ.get("RAY_ADDRESS", "")
+
+
 def env_flag(name: str, default: bool = False) -> bool:
     """Read a boolean environment switch (the only place the package reads the environment)."""
     raw = os.environ.get(name)

@@ -30,6 +30,12 @@ from hisparse_ray.fastpath.config import deployment_fast_path
 PUSH_WITH_PREFILL = ("auto", "always", "never")
 #: option groups: the CLI's ``demo`` and ``generate`` take the first four, ``serve`` all
 GROUPS = ("model", "replica", "prefill", "request", "serve")
+#: ``deployment_config`` keys: Serve deployment options passed through to the HiSparse deployment
+SERVE_DEPLOYMENT_KEYS = ("autoscaling_config", "num_replicas", "max_ongoing_requests",
+                         "max_queued_requests", "health_check_period_s", "health_check_timeout_s",
+                         "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s",
+                         "ray_actor_options", "user_config", "placement_group_bundles",
+                         "placement_group_strategy", "max_replicas_per_node")
 #: the built-in model kinds (``hisparse_ray.model.config.KINDS``; spelled out here so that the
 #: front door refuses a bad kind without importing torch)
 MODEL_KINDS = ("deepseek_v32", "glm_moe_dsa")
@@ -39,14 +45,15 @@ FAST_PATH, KV_CACHE_DTYPES = ("auto", "on", "off"), ("auto", "fp32", "bf16", "fp
 
 
 def _opt(default: Any, help: str, group: str, *, kind: str = "", choices: tuple = (),
-         factory: Any = None) -> Any:
+         factory: Any = None, secret: bool = False) -> Any:
     """A ``DeployOptions`` field: its default, help text (the CLI's), group and value kind
-    ("int", "float", "str", "float?" (or None), "dict?" (resource dict or None), "config")."""
+    ("int", "float", "str", "float?" (or None), "dict?" (resource dict or None), "json?" (a JSON
+    object or None), "config")."""
     kind = kind or {int: "int", float: "float", str: "str"}[type(default)]
     meta = {"help": help, "group": group, "kind": kind, "choices": choices}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata=meta, repr=not secret)  # a secret stays out of logs
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +148,17 @@ class DeployOptions:
                                          "serve", kind="dict?")
     prefill_resources: dict | None = _opt(None, "pin the prefill worker likewise", "serve",
                                           kind="dict?")
+    served_model_name: str = _opt("", "the model id clients name in OpenAI requests "
+                                  "(default: hisparse-<model>)", "serve")
+    api_key: str = _opt("", "require 'Authorization: Bearer KEY' on /v1 (default: "
+                        "$HISPARSE_API_KEY; empty: no key)", "serve", secret=True)
+    max_request_bytes: int = _opt(8 << 20, "the largest HTTP request body (413 before it is "
+                                  "read or tokenized)", "serve")
+    max_queued_requests: int = _opt(-1, "requests queued per Serve replica beyond "
+                                    "max_ongoing_requests before HTTP 429 (-1: no limit)", "serve")
+    deployment_config: dict | None = _opt(None, "Serve options of the HiSparse deployment, passed "
+                                          "through (JSON: autoscaling_config, "
+                                          "graceful_shutdown_timeout_s, ...)", "serve", kind="json?")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -148,7 +166,7 @@ class DeployOptions:
         for key in ("tp", "page_size", "device_blocks", "max_batch", "model_layers",
                     "landing_attempts", "landing_layer_groups", "max_prompt_tokens",
                     "max_new_tokens", "max_new_tokens_limit", "num_replicas",
-                    "max_ongoing_requests"):
+                    "max_ongoing_requests", "max_request_bytes"):
             check_int(key, getattr(self, key), lo=1)
         check_int("seed", self.seed, lo=0, hi=2**64 - 1)
         check_int("staging_blocks", self.staging_blocks, lo=0)
@@ -161,6 +179,11 @@ class DeployOptions:
         check_optional_number("gpus_per_rank", self.gpus_per_rank, lo=0, lo_open=True, hi=1)
         check_str("replica_id", self.replica_id, forbid=_NAME_FORBIDS)
         check_str("host_pool_dir", self.host_pool_dir, forbid="\0")
+        if self.max_queued_requests < -1 or self.max_queued_requests == 0:
+            raise ConfigError("max_queued_requests", self.max_queued_requests, "-1 or an int >= 1")
+        bad = sorted(set(self.deployment_config or {}) - set(SERVE_DEPLOYMENT_KEYS))
+        if bad:
+            raise ConfigError("deployment_config", bad[0], f"one of {', '.join(SERVE_DEPLOYMENT_KEYS)}")
         if self.max_new_tokens > self.max_new_tokens_limit:
             raise ConfigError("max_new_tokens", self.max_new_tokens,
                               f"<= max_new_tokens_limit ({self.max_new_tokens_limit})")
@@ -239,6 +262,8 @@ def _check_kind(key: str, value: Any, meta: Mapping[str, Any]) -> None:
         ok = value is None or (isinstance(value, dict) and all(
             isinstance(k, str) and _number(x) and math.isfinite(x) and x > 0
             for k, x in value.items()))
+    elif kind == "json?":
+        ok = value is None or (isinstance(value, dict) and all(isinstance(k, str) for k in value))
     elif kind == "float?":
         ok = value is None or _number(value)
     elif kind == "float":
@@ -250,7 +275,8 @@ def _check_kind(key: str, value: Any, meta: Mapping[str, Any]) -> None:
     if not ok:
         raise ConfigError(key, value, {"config": "a HiSparseConfig", "int": "an int",
                                        "float": "a number", "float?": "a number or None",
-                                       "str": "a str", "dict?": "None or a dict of resource "
+                                       "str": "a str", "json?": "None or a JSON object",
+                                       "dict?": "None or a dict of resource "
                                        "name -> amount > 0"}[kind])
     if choices and value not in choices:
         raise ConfigError(key, value, f"one of {', '.join(choices)}")
@@ -272,10 +298,11 @@ def _parse(key: str, value: Any, kind: str) -> Any:
             return int(text)
         if kind in ("float", "float?"):
             return None if kind == "float?" and text.lower() in ("", "none") else float(text)
-        if kind == "dict?":
+        if kind in ("dict?", "json?"):
             return None if text.lower() in ("", "none") else json.loads(text)
     except ValueError:
-        raise ConfigError(key, value, {"int": "an int", "dict?": "JSON of resource name -> "
+        raise ConfigError(key, value, {"int": "an int", "json?": "a JSON object",
+                                       "dict?": "JSON of resource name -> "
                                        "amount"}.get(kind, "a number")) from None
     return value
 

@@ -29,8 +29,8 @@ from hisparse_ray.errors import (
 from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.kernels.kvfp8 import KV_DTYPES, row_codec
-from hisparse_ray.rank.executor import HiSparseWorker, SamplingParams
-from hisparse_ray.types import RequestId, RequestState
+from hisparse_ray.rank.executor import HiSparseWorker
+from hisparse_ray.types import RequestId, RequestState, SamplingParams
 
 _ids = itertools.count()
 

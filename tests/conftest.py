@@ -48,6 +48,9 @@ def ray_cluster():
             num_gpus=_cuda_count(),  # every GPU: two-GPU tests place one rank on each
             include_dashboard=False,
             log_to_driver=True,
+            # ray.util.metrics reach the node's Prometheus port within a second (default 10 s):
+            # the serve metrics test scrapes them
+            _system_config={"metrics_report_interval_ms": 1000},
         )
     yield ray
     ray.shutdown()

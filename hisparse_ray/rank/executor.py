@@ -17,7 +17,6 @@ rows (rank 0). Acks: every transfer id is reported *enqueued* in the step that i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,33 +32,12 @@ from hisparse_ray.host.copies import CopyHandle, backup_rows, fill_rows, restore
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.cache import IndexerKeyCache
 from hisparse_ray.rank.runtime import HiSparseCacheHandle, HiSparseRuntime
-from hisparse_ray.types import NO_BLOCK, Admission, RequestId, StepCommand, StepReport, TransferKind
+from hisparse_ray.rank.sampler import Sampler
+from hisparse_ray.types import (
+    NO_BLOCK, Admission, RequestId, SamplingParams, StepCommand, StepReport, TransferKind,
+)
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """temperature 0 = greedy; otherwise softmax(logits / temperature) sampled with a generator
-    seeded from ``seed`` (so a request samples the same tokens in every mode and on every run)."""
-
-    temperature: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_number("temperature", self.temperature, lo=0, why="0 = greedy")
-        check_int("seed", self.seed, lo=0, hi=2**64 - 1, why="a torch generator seed")
-
-
-class _Sampler:
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
-        self.gen = torch.Generator(device="cpu")
-        self.gen.manual_seed(params.seed)
-
-    def __call__(self, logits: Tensor) -> int:
-        if self.params.temperature == 0.0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+__all__ = ["HiSparseWorker", "SamplingParams"]  # SamplingParams lives in types (the wire)
 
 
 class HiSparseWorker:
@@ -75,7 +53,11 @@ class HiSparseWorker:
     kv_codec: the KV-cache dtype's row codec (:mod:`hisparse_ray.kernels.kvfp8`; default: rows in
     the model's dtype); ``layout`` must use its row bytes.
     fast: run batches through the fast decode step (:mod:`hisparse_ray.fastpath`): batched, paged
-    GPU index keys, library kernels where they run, CUDA graphs; None = the reference path."""
+    GPU index keys, library kernels where they run, CUDA graphs; None = the reference path.
+    hot_counts_every: on the reference path rank 0 accumulates each request's hot-buffer hits and
+    misses on the device and reads them back (one sync) every this many steps and before it drops
+    released requests, reporting them in ``StepReport.hits_by_request``; peers never read them
+    (1: every step; the CPU's "device" is the host, so there a read costs nothing)."""
 
     def __init__(
         self,
@@ -93,6 +75,7 @@ class HiSparseWorker:
         sync_host_writes: bool = False,
         kv_codec: Any = None,
         fast: FastPathConfig | None = None,
+        hot_counts_every: int = 1,
     ) -> None:
         self.model, self.cfg, self.layout, self.pool, self.rank = model, cfg, layout, pool, rank
         self.device = torch.device(device)
@@ -111,10 +94,15 @@ class HiSparseWorker:
         self.fast = None if fast is None else FastExecutor(
             model, self.runtime, self.handle.codec, fast, block_threads=cfg.swap_in_block_size)
         self.index: dict[RequestId, IndexerKeyCache] = {}
-        self.samplers: dict[RequestId, _Sampler] = {}
+        self.samplers: dict[RequestId, Sampler] = {}  # rank 0; absent = greedy
         self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
         self.batch_invariant = batch_invariant
         self.sync_host_writes = sync_host_writes
+        if isinstance(hot_counts_every, bool) or not isinstance(hot_counts_every, int) \
+                or hot_counts_every < 1:
+            raise ConfigError("hot_counts_every", hot_counts_every, "an int >= 1")
+        self.hot_counts_every = hot_counts_every
+        self._steps_uncounted = 0  # reference-path forwards since rank 0 last read the hot counts
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
         self.on_logits: Any = None  # on_logits(cmd, logits [B, V]) after each forward (tests, tools)
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
@@ -134,7 +122,19 @@ class HiSparseWorker:
 
     # -- admission-time state ------------------------------------------------------------------
     def set_sampling(self, rid: RequestId, params: SamplingParams) -> None:
-        self.samplers[rid] = _Sampler(params)
+        """How ``rid`` samples (rank 0; before its first step). Greedy needs no call."""
+        if params.greedy:
+            self.samplers.pop(rid, None)
+        else:
+            self.samplers[rid] = Sampler(params)
+
+    def forget(self, rid: RequestId) -> None:
+        """Drop what a landing installed for ``rid`` (keys, sampler): it will never decode;
+        nothing if none is installed."""
+        self.index.pop(rid, None)
+        self.samplers.pop(rid, None)
+        if self.fast is not None:
+            self.fast.release(rid)
 
     def install_index_keys(self, rid: RequestId, keys: Tensor | None, capacity: int) -> None:
         """Room for ``capacity`` positions of a request's indexer keys, holding the prefix's keys
@@ -172,12 +172,6 @@ class HiSparseWorker:
         if self.fast is None:
             self.index[rid].length = length
 
-    def drop_index_keys(self, rid: RequestId) -> None:
-        """Forget a request's keys (a failed landing); nothing if none are installed."""
-        self.index.pop(rid, None)
-        if self.fast is not None:
-            self.fast.release(rid)
-
     def land_local(self, adm: Admission, kv_rows: Tensor) -> None:
         """In-process landing: write ``kv_rows [L, T, row_dim]`` of positions ``0..T-1`` into the
         admission's non-reused pages (device blocks on every rank, host blocks by rank 0)."""
@@ -206,6 +200,9 @@ class HiSparseWorker:
     # -- one step ------------------------------------------------------------------------------
     def execute(self, cmd: StepCommand) -> StepReport:
         rt = self.runtime
+        counts: dict[RequestId, tuple[int, int]] = {}
+        if self.writer and any(rid in rt.requests for rid in cmd.released):
+            self._take_hot_counts(counts)  # a released request's last counts go out first
         for rid in cmd.released:
             if rid in rt.requests:
                 rt.remove(rid)
@@ -220,14 +217,20 @@ class HiSparseWorker:
         # measured on the H200 at 4.6x (spill) / 2.8x (restore) the per-layer memcpy path.
         self._enqueue_transfers(cmd, enqueued)
         sampled: tuple = ()
-        per_request: list[tuple[RequestId, int, int]] = []
         fast = self.fast is not None and self.trace is None and bool(cmd.batch)
         if cmd.batch:
             for handle in (h for _, h in self._pending):
                 handle.order_before()
-            sampled, per_request = self._forward(cmd, enqueued)
+            sampled, fast_counts = self._forward(cmd, enqueued)
+            for rid, h, m in fast_counts:  # the fast step reads its own (with its tokens)
+                counts[rid] = (h, m)
+            if not fast:
+                self._steps_uncounted += 1
+                if self.writer and self._steps_uncounted >= self.hot_counts_every:
+                    self._take_hot_counts(counts)
         if cmd.backups and not fast:  # the fast path enqueued them while its step ran
             self._enqueue_backups(cmd, enqueued)
+        per_request = [(rid, h, m) for rid, (h, m) in counts.items()]
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
         self.counters["steps"] += 1
@@ -239,6 +242,13 @@ class HiSparseWorker:
                 wait=not cmd.batch or self.sync_host_writes),
             sampled=sampled if self.writer else (), hot_hits=hits, hot_misses=misses,
             hits_by_request=tuple(per_request) if self.writer else ())
+
+    def _take_hot_counts(self, into: dict[RequestId, tuple[int, int]]) -> None:
+        """(rank 0) Add the hot counts accumulated on the device since the last read to ``into``."""
+        for rid, (h, m) in self.runtime.take_hot_counts().items():
+            h0, m0 = into.get(rid, (0, 0))
+            into[rid] = (h0 + h, m0 + m)
+        self._steps_uncounted = 0
 
     def _enqueue_backups(self, cmd: StepCommand, enqueued: list[int]) -> None:
         """The newest rows of host-tier requests, device -> host on the side stream (after the
@@ -324,7 +334,6 @@ class HiSparseWorker:
         # this makes a request's logits independent of what else the scheduler batched with it.
         groups = [(r,) for r in cmd.batch] if self.batch_invariant else [cmd.batch]
         parts: list[Tensor] = []
-        per_request: list[tuple[RequestId, int, int]] = []
         for rows in groups:
             caches = [self._index_cache(r.request_id, r.seq_len) for r in rows]
             rt.begin_step(rows)
@@ -334,8 +343,8 @@ class HiSparseWorker:
             pos = torch.tensor([r.seq_len - 1 for r in rows], dtype=torch.int64, device=self.device)
             hook = self.trace.hook if self.trace is not None else None
             parts.append(self.model.decode(ids, pos, self.handle, caches, topk_hook=hook))
-            hits, misses = rt.hot_counts()
-            per_request += [(r.request_id, h, m) for r, h, m in zip(rows, hits, misses)]
+            if self.writer:  # on the device; read every hot_counts_every steps (execute)
+                rt.accumulate_hot_counts()
         logits = torch.cat(parts)
         if self.on_logits is not None:
             self.on_logits(cmd, logits)
@@ -347,7 +356,7 @@ class HiSparseWorker:
                 sampler = self.samplers.get(r.request_id)
                 toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
             sampled = tuple((r.request_id, t) for r, t in zip(cmd.batch, toks))
-        return sampled, per_request
+        return sampled, ()
 
     def _forward_fast(self, cmd: StepCommand, enqueued: list[int]):
         """The batch as one fast step (greedy tokens come from the device; a row sampling with a

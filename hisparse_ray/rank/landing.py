@@ -32,7 +32,9 @@ class KeyCaches(Protocol):
 
     def set_index_length(self, rid: str, length: int) -> None: ...
 
-    def drop_index_keys(self, rid: str) -> None: ...
+    def set_sampling(self, rid: str, params: Any) -> None: ...
+
+    def forget(self, rid: str) -> None: ...
 
 
 class HostWriter(Protocol):
@@ -158,6 +160,8 @@ class RankLanding:
                     torch.cuda.current_stream().synchronize()
             if step.last:
                 self.keys.set_index_length(rid, step.num_positions)
+                if step.sampling is not None:
+                    self.keys.set_sampling(rid, step.sampling)
         self.trace.append((rid, t_enter, t_notified, t_copied, time.perf_counter()))
         return seconds
 
@@ -169,7 +173,7 @@ class RankLanding:
             while len(self._cancelled) > CANCELLED_MEMORY:
                 self._cancelled.popitem(last=False)
         with self.lock:
-            self.keys.drop_index_keys(request_id)
+            self.keys.forget(request_id)
 
 
 def copy_runs(src_layers: Sequence[Any], dst_layers: Sequence[Any],

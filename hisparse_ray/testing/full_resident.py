@@ -1,7 +1,7 @@
 """Full-resident reference decode for exactness checks (the demo's, the examples' and the tests'):
 the same prompts through the in-process :class:`~hisparse_ray.engine.Engine` in full-resident mode
-(every KV row on resident device pages, never spilled), greedy sampling. HiSparse must produce
-identical tokens.
+(every KV row on resident device pages, never spilled), greedy or seeded
+sampling. HiSparse must produce identical tokens.
 
 :func:`replica_baseline` runs the baseline a decode replica (:class:`~hisparse_ray.deploy.ReplicaSpec`)
 is compared with: the same model, KV-cache dtype, page size and decode path (the fast step with
@@ -20,9 +20,10 @@ def full_resident_tokens(model_spec, prompts: list[list[int]], max_new_tokens: i
                          request_ids: list[str] | None = None, device: str = "cpu", *,
                          kv_cache_dtype: str = "auto", fast_path: Any = None,
                          device_pool_gib: float | None = None, page_size: int = 8,
-                         hisparse: Any = None, batch_invariant: bool = True
+                         hisparse: Any = None, batch_invariant: bool = True, sampling: Any = None
                          ) -> dict[str, list[int]]:
-    """request id -> generated tokens of ``prompts`` through the full-resident engine.
+    """request id -> generated tokens of ``prompts`` through the full-resident engine (greedy,
+    or every request sampled by ``sampling``, a ``SamplingParams``).
     ``fast_path``: a ``FastPathConfig`` (its buckets batch the requests; exact against a replica
     running the same buckets) or None (the reference path, each row its own forward);
     ``device_pool_gib``: the device budget (None: grown to fit everything); ``hisparse``: the
@@ -45,7 +46,7 @@ def full_resident_tokens(model_spec, prompts: list[list[int]], max_new_tokens: i
         model = model_spec.build(device)
         with Engine(model, EngineConfig(**kw)) as eng:
             for rid, prompt in zip(ids, prompts):
-                eng.add_request(rid, prompt, max_new_tokens)
+                eng.add_request(rid, prompt, max_new_tokens, sampling=sampling)
             out = eng.run()
         return {rid: list(out[rid]) for rid in ids}
     finally:

@@ -14,7 +14,7 @@ from hisparse_ray.config import HiSparseConfig
 from hisparse_ray.engine import Engine, EngineConfig
 from hisparse_ray.errors import ConfigError
 from hisparse_ray.model.model import build_tiny_model
-from hisparse_ray.rank.executor import SamplingParams
+from hisparse_ray.types import SamplingParams
 from hisparse_ray.types import RequestState
 
 H = 16  # EngineConfig's default device_buffer_size (top_k 8, page 8)
@@ -104,10 +104,12 @@ def test_prefix_reuse_shares_host_blocks_and_stays_exact(models):
     assert [out_a, out_b] == [base["r0"], base["r1"]]
 
 
-def test_seeded_sampling_is_reproducible_across_modes(models):
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=7),
+                                    SamplingParams(temperature=0.8, seed=3, top_k=20, top_p=0.9)])
+def test_seeded_sampling_is_reproducible_across_modes(models, params):
     m = models["deepseek_v32"]
     prompts = prompts_of([8 * H, 20], m.cfg.vocab_size, seed=5)
-    kw = dict(sampling=SamplingParams(temperature=1.0, seed=7))
+    kw = dict(sampling=params)
     base = run(m, prompts, 20, EngineConfig(full_resident=True), **kw)
     hs = run(m, prompts, 20, EngineConfig(num_device_blocks=8), **kw)
     assert_same(hs, base)
