@@ -11,8 +11,6 @@ pool sizes. The specs' defaults are the options' defaults.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -24,6 +22,9 @@ from hisparse_ray.checks import (
 )
 from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout, kv_row_bytes
 from hisparse_ray.errors import ConfigError
+from hisparse_ray.option_values import (  # noqa: F401 - load_config, visible_gpus: public here
+    check_kind, load_config, parse_value, resolve_gpus_per_rank, visible_gpus,
+)
 from hisparse_ray.fastpath.config import deployment_fast_path
 
 #: ``landing_push_with_prefill`` values
@@ -162,7 +163,7 @@ class DeployOptions:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_kind(f.name, getattr(self, f.name), f.metadata)
+            check_kind(f.name, getattr(self, f.name), f.metadata)
         for key in ("tp", "page_size", "device_blocks", "max_batch", "model_layers",
                     "landing_attempts", "landing_layer_groups", "max_prompt_tokens",
                     "max_new_tokens", "max_new_tokens_limit", "num_replicas",
@@ -201,7 +202,7 @@ class DeployOptions:
             if key not in known:
                 raise ConfigError(key, value, f"a deployment option: one of {sorted(known)}")
             if value is not None:
-                out[key] = _parse(key, value, known[key].metadata["kind"])
+                out[key] = parse_value(key, value, known[key].metadata["kind"])
         return cls(**out)
 
     def specs(self, gpus: int | None = None) -> tuple["ReplicaSpec", "PrefillSpec"]:
@@ -252,91 +253,6 @@ class DeployOptions:
 _OPTION_OF = {"num_device_blocks": "device_blocks", "tp_size": "tp", "kind": "model",
               "shape": "model_shape", "num_layers": "model_layers", "gpus": "prefill_gpus",
               "cpus": "prefill_cpus"}
-
-
-def _check_kind(key: str, value: Any, meta: Mapping[str, Any]) -> None:
-    kind, choices = meta["kind"], meta["choices"]
-    if kind == "config":
-        ok = isinstance(value, HiSparseConfig)
-    elif kind == "dict?":
-        ok = value is None or (isinstance(value, dict) and all(
-            isinstance(k, str) and _number(x) and math.isfinite(x) and x > 0
-            for k, x in value.items()))
-    elif kind == "json?":
-        ok = value is None or (isinstance(value, dict) and all(isinstance(k, str) for k in value))
-    elif kind == "float?":
-        ok = value is None or _number(value)
-    elif kind == "float":
-        ok = _number(value)
-    elif kind == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        raise ConfigError(key, value, {"config": "a HiSparseConfig", "int": "an int",
-                                       "float": "a number", "float?": "a number or None",
-                                       "str": "a str", "json?": "None or a JSON object",
-                                       "dict?": "None or a dict of resource "
-                                       "name -> amount > 0"}[kind])
-    if choices and value not in choices:
-        raise ConfigError(key, value, f"one of {', '.join(choices)}")
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _parse(key: str, value: Any, kind: str) -> Any:
-    """``value`` as the option kind wants it when it came as a string (CLI, ``serve run``)."""
-    if kind == "config":
-        return load_config(value)
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    try:
-        if kind == "int":
-            return int(text)
-        if kind in ("float", "float?"):
-            return None if kind == "float?" and text.lower() in ("", "none") else float(text)
-        if kind in ("dict?", "json?"):
-            return None if text.lower() in ("", "none") else json.loads(text)
-    except ValueError:
-        raise ConfigError(key, value, {"int": "an int", "json?": "a JSON object",
-                                       "dict?": "JSON of resource name -> "
-                                       "amount"}.get(kind, "a number")) from None
-    return value
-
-
-def load_config(value: Any, base: HiSparseConfig | None = None) -> HiSparseConfig:
-    """A HiSparse config from a ``HiSparseConfig``, a dict, inline JSON or a JSON file path
-    (SGLang ``--hisparse-config`` keys + ``host_pool_gib``). Keys left out take ``base``'s values
-    (default: ``HiSparseConfig.tiny()``, the built-in models' defaults; SGLang's production
-    defaults would silently make a 4 GiB host pool for a tiny model); None or "" is ``base``.
-    A path that does not exist, a file that is not JSON and JSON that is not an object are
-    ConfigErrors saying which (``HiSparseConfig.load``)."""
-    return HiSparseConfig.load(value, HiSparseConfig.tiny() if base is None else base)
-
-
-def visible_gpus() -> int:
-    """CUDA devices torch sees in this process (0 without CUDA)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_gpus_per_rank(asked: float | None, tp: int, gpus: int) -> float:
-    """A decode rank's GPU share: ``asked`` when given, else one GPU per rank when ``gpus`` >=
-    ``tp``, else all ranks on one GPU (1 / tp each); 0 without GPUs. ConfigError when ``asked``
-    needs more GPUs than are visible (above 0.5 no two ranks share a GPU)."""
-    if gpus == 0:
-        return 0.0
-    if asked is None:
-        return 1.0 if gpus >= tp else 1.0 / tp
-    needed = tp if asked > 0.5 else asked * tp
-    if needed > gpus + 1e-9:
-        raise ConfigError("gpus_per_rank", asked, f"with tp={tp} needs {needed:g} GPUs, {gpus} "
-                                                  f"visible")
-    return asked
 
 
 _D = {f.name: f.default for f in fields(DeployOptions)}  # the one set of defaults
@@ -411,16 +327,6 @@ class ModelSpec:
             return src.tokenizer() if (Path(src.name) / "tokenizer.json").is_file() else None
         tok = src.tokenizer()
         return tok if int(src.config.vocab_size) == tok.vocab_size else None
-
-
-def __getattr__(name: str):
-    """``deploy.ByteTokenizer``: lives in :mod:`hisparse_ray.model.tokenizer` (imported on use:
-    that package loads torch, which option parsing need not wait for)."""
-    if name == "ByteTokenizer":
-        from hisparse_ray.model.tokenizer import ByteTokenizer
-
-        return ByteTokenizer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,7 @@ def _expected(prompts, max_new, sampling=None) -> list[list[int]]:
 
 
 def _text(ids) -> str:
-    from hisparse_ray.deploy import ByteTokenizer
+    from hisparse_ray.model.tokenizer import ByteTokenizer
 
     return ByteTokenizer().decode(ids)
 
@@ -116,7 +116,7 @@ def test_completions_and_chat_greedy_equal_full_resident_streamed_or_not(app):
     """Long (host tier) and short (resident) prompts as text and as token ids, concurrently;
     temperature 0 answers are full-resident decode's tokens; streamed chunks concatenate to the
     unstreamed answer; chat renders the chat template; the first chat delta has the role."""
-    from hisparse_ray.deploy import ByteTokenizer
+    from hisparse_ray.model.tokenizer import ByteTokenizer
 
     handle, _, client = app
     tok = ByteTokenizer()
