@@ -47,7 +47,9 @@ def quantize_fp8(x: Tensor, tile: int) -> tuple[Tensor, Tensor]:
     if tiles * tile != n:
         xf = torch.nn.functional.pad(xf, (0, tiles * tile - n))
     xt = xf.unflatten(-1, (tiles, tile))
-    scale = (xt.abs().amax(-1) / FP8_MAX).clamp_min(_TINY)
+    # a tensor divisor: CUDA computes ``tensor / python_scalar`` as a multiply by the rounded
+    # reciprocal (CPU divides), which changed some scales' last bit between CPU and GPU encodes
+    scale = (xt.abs().amax(-1) / xt.new_full((), FP8_MAX)).clamp_min(_TINY)
     q = (xt / scale[..., None]).to(FP8).flatten(-2)[..., :n]
     return q, scale
 

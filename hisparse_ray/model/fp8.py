@@ -114,7 +114,7 @@ def quantize(w: Tensor, block: tuple[int, int] = BLOCK, *, ue8m0: bool = True) -
     padded[..., :n, :k] = w.float()
     blocks = padded.view(*lead, pn // bm, bm, pk // bn, bn)
     amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)
-    scale = amax / FP8_MAX
+    scale = amax / amax.new_full((), FP8_MAX)  # true division on every device (kvfp8.quantize_fp8)
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
