@@ -393,6 +393,7 @@ def test_random_mix_of_served_cancelled_and_timed_out_requests(app):
     from hisparse_ray.types import SamplingParams
 
     handle, _, _ = app
+    _settled(handle)  # earlier tests' streams out of Serve's queues: 12 fit max_ongoing + queued
     rng = random.Random(2026)
     jobs = []
     for i in range(12):  # within max_ongoing + max_queued: none refused

@@ -26,22 +26,26 @@ def test_two_serve_replicas_each_own_a_deployment_and_both_serve_exactly(ray_clu
     try:
         handle = serve.run(build_engine_app(options), name="hisparse-two", route_prefix=None,
                            logging_config={"log_level": "WARNING"})
-        rng = random.Random(21)
-        prompts = [[rng.randrange(1, 96) for _ in range(rng.choice([10, 120]))]
-                   for _ in range(16)]
-        outs = [r.result(timeout_s=300) for r in
-                [handle.generate.remote(ids=p, max_new_tokens=4) for p in prompts]]
-        front_ends = {o["request_id"].rsplit("-", 1)[0] for o in outs}
-        assert len(front_ends) == 2, f"16 concurrent requests all went to {front_ends}"
-        model = DeployOptions.from_dict(options).specs()[0].model
-        expected = full_resident_tokens(model, prompts, 4, [str(i) for i in range(16)])
-        for i, out in enumerate(outs):
-            assert out["tokens"] == expected[str(i)]
         coords = set()
-        for _ in range(20):  # both replicas answer `actors`: two distinct coordinators
+        for _ in range(40):  # both replicas answer `actors` (live, routable) before the load
             coords.add(handle.actors.remote().result()["coordinator"])
             if len(coords) == 2:
                 break
         assert len(coords) == 2
+        rng = random.Random(21)
+        model = DeployOptions.from_dict(options).specs()[0].model
+        front_ends: set[str] = set()
+        for wave in range(3):  # Serve routes by queue length: on a loaded node one wave of 16
+            prompts = [[rng.randrange(1, 96) for _ in range(rng.choice([10, 120]))]  # may all
+                       for _ in range(16)]                                           # go to one
+            outs = [r.result(timeout_s=300) for r in
+                    [handle.generate.remote(ids=p, max_new_tokens=4) for p in prompts]]
+            expected = full_resident_tokens(model, prompts, 4, [str(i) for i in range(16)])
+            for i, out in enumerate(outs):
+                assert out["tokens"] == expected[str(i)]
+            front_ends |= {o["request_id"].rsplit("-", 1)[0] for o in outs}
+            if len(front_ends) == 2:
+                break
+        assert len(front_ends) == 2, f"3 waves of 16 concurrent requests all went to {front_ends}"
     finally:
         serve.shutdown()
