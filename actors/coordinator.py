@@ -84,6 +84,7 @@ class ReplicaCoordinator:
             raise StateError("coordinator already started")
         self.channels = RankChannels(len(self.ranks), self.spec.wait_policy())
         ray.get([r.attach_channel.remote(spec) for r, spec in zip(self.ranks, self.channels.specs)])
+        self.channels.unlink()  # every rank mapped its rings
         self._thread = threading.Thread(target=self._step_loop, name="coordinator-steps", daemon=True)
         self._thread.start()
 
@@ -402,16 +403,16 @@ class ReplicaCoordinator:
                 with self.lock:
                     for adm in self.core.poll_waiting():
                         self._dispatch(adm)
-                    cmds = self.core.take_commands()
-                if not cmds:
+                    cmd = self.core.take_command()
+                if cmd is None:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                reports = self.channels.round_trip(cmds, timeout)
+                reports = self.channels.round_trip(cmd, timeout)
                 with self.cond:
                     for rep in reports:
                         self.core.apply_report(rep)
-                    self._account(cmds[0], reports[0])
+                    self._account(reports[0])
                     self.cond.notify_all()
         except (ChannelError, HiSparseError) as err:
             with self.cond:
@@ -423,8 +424,9 @@ class ReplicaCoordinator:
                 self.cond.notify_all()
             raise
 
-    def _account(self, cmd, report) -> None:
-        """(lock held) Hot-buffer counters and finished requests after a step."""
+    def _account(self, report) -> None:
+        """(lock held) Hot-buffer counters and finished requests after a step (rank 0's report:
+        it samples a token for every row of the batch)."""
         self.hot_hits += report.hot_hits
         self.hot_misses += report.hot_misses
         per_request = getattr(report, "hits_by_request", ())
@@ -433,13 +435,13 @@ class ReplicaCoordinator:
             if rec is not None:
                 rec.hot_hits += hits
                 rec.hot_misses += misses
-        for row in cmd.batch:
-            rec = self.records.get(row.request_id)
+        for rid, _ in report.sampled:
+            rec = self.records.get(rid)
             if rec is None or rec.done:
                 continue
-            view = self.core.view(row.request_id)
+            view = self.core.view(rid)
             if view.state in (RequestState.FINISHED, RequestState.RELEASED):
-                self._collect(row.request_id)
+                self._collect(rid)
 
     def _collect(self, rid: str) -> None:
         """(lock held) Record a finished request's outcome and let the core forget it."""

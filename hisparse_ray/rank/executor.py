@@ -5,20 +5,27 @@ state), the attention-facing :class:`~hisparse_ray.rank.runtime.HiSparseCacheHan
 caches, and schedules page copies (:mod:`hisparse_ray.host.copies`) against the shared host pool. The
 in-process :class:`~hisparse_ray.engine.Engine` and the ``DecodeWorker`` actor both drive it.
 
-Per command, in order: drop released requests; apply block-table diffs; enqueue page transfers
-(SPILL device -> host is written by rank 0 only, the one host-pool writer; RESTORE host -> device on
-every rank, MLA KV is replicated); bind hot buffers (a new buffer of a short sequence, n <= H, is
-filled so that slot p holds position p); run the forward (the compute stream first waits on every
-copy still in flight, so a reused block or a backed-up slot is never overwritten early, and a host
-row is never read before it was written); sample (rank 0); enqueue the eager backups of the newest
-rows (rank 0). Acks: every transfer id is reported *enqueued* in the step that issued it and
-*completed* once its copy event has fired; on CPU both in the same report.
+Per command (one per step, the same for every rank), in order: forget released handles and
+their requests; take the handles it defines; a peer makes its stream wait for host-pool
+generation ``host_seq`` (rank 0's IPC event: every host row rank 0 wrote in the steps before is
+then visible to the peer's copies and resolver reads); apply block-table diffs; enqueue page
+transfers (SPILL device -> host is written by rank 0 only, the one host-pool writer; RESTORE host
+-> device on every rank, MLA KV is replicated); bind hot buffers (a new buffer of a short
+sequence, n <= H, is filled so that slot p holds position p); run the forward (the compute stream
+first waits on every copy still in flight, so a reused block or a backed-up slot is never
+overwritten early, and a host row is never read before it was written); sample (rank 0); enqueue
+the eager backups of the newest rows (rank 0), then publish the step's host writes (rank 0: the
+pool's next generation, its IPC event recorded on the copy stream after them; reported in
+``StepReport.published``). On CUDA every copy runs on the rank's copy stream, which first waits
+for the compute stream's work so far; nothing blocks the host. Acks: every transfer id is
+reported *enqueued* in the step that issued it and *completed* once its copy event has fired; on
+CPU both in the same report.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,6 +52,15 @@ class SamplingParams:
             raise ConfigError("temperature", self.temperature, "must be >= 0 (0 = greedy)")
 
 
+class Row(NamedTuple):
+    """A batch row with its request named (``BatchRow`` carries the request's handle)."""
+
+    request_id: RequestId
+    seq_len: int
+    input_token: int
+    hot_blocks: tuple[int, ...] | None
+
+
 class _Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -64,10 +80,13 @@ class HiSparseWorker:
     batch_invariant: run every batch row as its own forward so that a request's logits do not
     depend on its batch mates (bit-exact comparisons across modes and schedules); False batches the
     forward (throughput).
-    sync_host_writes: finish every copy of the step before ``execute`` returns (and report it
-    completed). Rank 0 of a TP group on CUDA needs this: its peers read the host rows it wrote
-    (backups, spills) in their next forward, ordered only by the coordinator waiting for every
-    rank's report; a single rank orders its own reads on the GPU (``CopyHandle.order_before``)."""
+    host_wait_s: how long a peer waits for rank 0 to publish the generation a command names
+    (published before rank 0 reported the step that wrote it, so a wait means a broken protocol:
+    ``HostPoolError``).
+
+    ``handles`` maps the commands' request handles to request ids (defined and released by the
+    commands); ``on_logits(rows, logits [B, V])``, when set, sees every forward's rows and logits
+    (tests, tools)."""
 
     def __init__(
         self,
@@ -82,7 +101,7 @@ class HiSparseWorker:
         max_requests: int = 64,
         backend: str = "auto",
         batch_invariant: bool = True,
-        sync_host_writes: bool = False,
+        host_wait_s: float = 60.0,
     ) -> None:
         self.model, self.cfg, self.layout, self.pool, self.rank = model, cfg, layout, pool, rank
         self.device = torch.device(device)
@@ -100,9 +119,12 @@ class HiSparseWorker:
         self.samplers: dict[RequestId, _Sampler] = {}
         self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
         self.batch_invariant = batch_invariant
-        self.sync_host_writes = sync_host_writes
+        self.host_wait_s = host_wait_s
+        self.handles: dict[int, RequestId] = {}
+        # every page copy of this rank runs here (CUDA), off the compute stream
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
-        self.on_logits: Any = None  # on_logits(cmd, logits [B, V]) after each forward (tests, tools)
+        self.on_logits: Any = None  # on_logits(rows, logits [B, V]) after each forward
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
                          "backups": 0}
 
@@ -148,9 +170,7 @@ class HiSparseWorker:
                 for l, layer in enumerate(self.runtime.device_kv):
                     layer[base: base + hi - lo] = data[l, lo:hi].to(self.device)
             elif self.writer:
-                if not wrote_host:
-                    self.pool.begin_write()
-                    wrote_host = True
+                wrote_host = True
                 base = page.host_block * ps
                 for l in range(self.layout.num_layers):
                     self.pool.layer(l)[base: base + hi - lo] = data[l, lo:hi].cpu()
@@ -159,59 +179,82 @@ class HiSparseWorker:
 
     # -- one step ------------------------------------------------------------------------------
     def execute(self, cmd: StepCommand) -> StepReport:
-        rt = self.runtime
-        for rid in cmd.released:
+        rt, names = self.runtime, self.handles
+        for h in cmd.released:
+            rid = names.pop(h, None)
+            if rid is None:
+                raise StateError(f"step {cmd.step} releases handle {h}, which names no request")
             if rid in rt.requests:
                 rt.remove(rid)
             self.index.pop(rid, None)
             self.samplers.pop(rid, None)
+        for d in cmd.handles:
+            if d.handle in names:
+                raise StateError(f"step {cmd.step} defines handle {d.handle} as {d.request_id!r}; "
+                                 f"it still names {names[d.handle]!r}")
+            names[d.handle] = d.request_id
+        if cmd.host_seq and not self.writer:
+            # rank 0's host writes up to this generation come before any host read of ours
+            # (CUDA: the current stream waits on its IPC event; the copy stream waits on the
+            # current stream before each batch of copies)
+            self.pool.wait_published(cmd.host_seq, timeout_s=self.host_wait_s)
         for diff in cmd.table_diffs:
-            rt.apply_diff(diff)
+            rt.apply_diff(self._name(cmd, diff.handle), diff.page, diff.host_block,
+                          diff.device_block)
         enqueued: list[int] = []
         # Page copies take the one-launch UVA gather/scatter when the pool is registered (auto):
         # measured on the H200 at 4.6x (spill) / 2.8x (restore) the per-layer memcpy path.
-        self._enqueue_transfers(cmd, enqueued)
+        wrote = self._enqueue_transfers(cmd, enqueued)
         sampled: tuple = ()
         per_request: list[tuple[RequestId, int, int]] = []
-        if cmd.batch:
+        rows = [Row(self._name(cmd, r.handle), r.seq_len, r.input_token, r.hot_blocks)
+                for r in cmd.batch]
+        if rows:
             for handle in (h for _, h in self._pending):
                 handle.order_before()
-            sampled, per_request = self._forward(cmd)
+            sampled, per_request = self._forward(cmd.step, rows)
         if cmd.backups:
             ids = tuple(b.transfer_id for b in cmd.backups)
             if self.writer:
-                src = [rt.device_row(b.request_id, b.position) for b in cmd.backups]
+                src = [rt.device_row(self._name(cmd, b.handle), b.position) for b in cmd.backups]
                 dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
-                self.pool.begin_write()
-                handle = backup_rows(rt.device_kv, self.pool, src, dst)
-                self.pool.publish()
-                self._pending.append((ids, handle))
+                self._pending.append((ids, backup_rows(rt.device_kv, self.pool, src, dst,
+                                                       self.copy_stream)))
+                wrote = True
             else:
                 self._pending.append((ids, CopyHandle()))
             enqueued.extend(ids)
             self.counters["backups"] += len(ids)
+        if wrote:  # one generation per step, its event after every copy of the step
+            self.pool.publish(self.copy_stream)
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
         self.counters["steps"] += 1
         self.counters["hot_hits"] += hits
         self.counters["hot_misses"] += misses
         return StepReport(
-            cmd.step, cmd.rank, enqueued=tuple(enqueued), completed=self._take_completed(
-                wait=not cmd.batch or self.sync_host_writes),
+            cmd.step, self.rank, enqueued=tuple(enqueued),
+            completed=self._take_completed(wait=not rows),
             sampled=sampled if self.writer else (), hot_hits=hits, hot_misses=misses,
-            hits_by_request=tuple(per_request) if self.writer else ())
+            hits_by_request=tuple(per_request) if self.writer else (),
+            published=self.pool.published() if self.writer else 0)
 
-    def _enqueue_transfers(self, cmd: StepCommand, enqueued: list[int]) -> None:
+    def _name(self, cmd: StepCommand, handle: int) -> RequestId:
+        rid = self.handles.get(handle)
+        if rid is None:
+            raise StateError(f"step {cmd.step} names handle {handle}, which no command defined")
+        return rid
+
+    def _enqueue_transfers(self, cmd: StepCommand, enqueued: list[int]) -> bool:
+        """Enqueue the command's page transfers; True when rank 0 wrote the host pool."""
         spills = [t for t in cmd.transfers if t.kind is TransferKind.SPILL]
         restores = [t for t in cmd.transfers if t.kind is TransferKind.RESTORE]
         if spills:
             ids = tuple(t.transfer_id for t in spills)
             if self.writer:
-                self.pool.begin_write()
                 handle = spill_pages(self.runtime.device_kv, self.pool,
                                      [(t.device_block, t.host_block) for t in spills],
-                                     use_uva=None)
-                self.pool.publish()
+                                     self.copy_stream, use_uva=None)
             else:
                 handle = CopyHandle()
             self._pending.append((ids, handle))
@@ -221,10 +264,11 @@ class HiSparseWorker:
             ids = tuple(t.transfer_id for t in restores)
             handle = restore_pages(self.runtime.device_kv, self.pool,
                                    [(t.device_block, t.host_block) for t in restores],
-                                   use_uva=None)
+                                   self.copy_stream, use_uva=None)
             self._pending.append((ids, handle))
             enqueued.extend(ids)
             self.counters["restores"] += len(ids)
+        return bool(spills) and self.writer
 
     def _take_completed(self, wait: bool) -> tuple[int, ...]:
         done: list[int] = []
@@ -251,27 +295,28 @@ class HiSparseWorker:
             self.index[rid] = cache = grown
         return cache
 
-    def _forward(self, cmd: StepCommand):
+    def _forward(self, step: int, batch: list[Row]):
         rt, H = self.runtime, self.cfg.device_buffer_size
-        for row in cmd.batch:
-            if rt.set_hot_blocks(row.request_id, row.hot_blocks) and row.hot_blocks:
+        for row in batch:
+            if (row.hot_blocks is not None and rt.set_hot_blocks(row.request_id, row.hot_blocks)
+                    and row.hot_blocks):
                 n = row.seq_len
                 if 1 < n <= H:  # short path: slot p holds position p; fill it from host
                     slots = rt.slot_rows_of(row.request_id)
                     fill_rows(rt.device_kv, self.pool,
                               [rt.host_row(row.request_id, p) for p in range(n - 1)],
-                              slots[: n - 1]).wait()
+                              slots[: n - 1], self.copy_stream).order_before()
         # Batch-invariant mode runs each row as its own batch of one: matmul results depend on the
         # batch shape (measured: torch CPU linear differs bitwise between M=1 and M=5), so only
         # this makes a request's logits independent of what else the scheduler batched with it.
-        groups = [(r,) for r in cmd.batch] if self.batch_invariant else [cmd.batch]
+        groups = [(r,) for r in batch] if self.batch_invariant else [batch]
         parts: list[Tensor] = []
         per_request: list[tuple[RequestId, int, int]] = []
         for rows in groups:
             caches = [self._index_cache(r.request_id, r.seq_len) for r in rows]
             rt.begin_step(rows)
             if self.trace is not None:
-                self.trace.begin_step(cmd.step, rows)
+                self.trace.begin_step(step, rows)
             ids = torch.tensor([r.input_token for r in rows], dtype=torch.int64, device=self.device)
             pos = torch.tensor([r.seq_len - 1 for r in rows], dtype=torch.int64, device=self.device)
             hook = self.trace.hook if self.trace is not None else None
@@ -280,15 +325,15 @@ class HiSparseWorker:
             per_request += [(r.request_id, h, m) for r, h, m in zip(rows, hits, misses)]
         logits = torch.cat(parts)
         if self.on_logits is not None:
-            self.on_logits(cmd, logits)
+            self.on_logits(batch, logits)
         sampled: tuple = ()
         if self.writer:
             rows = logits.detach().float().cpu()
             toks = []
-            for b, r in enumerate(cmd.batch):
+            for b, r in enumerate(batch):
                 sampler = self.samplers.get(r.request_id)
                 toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
-            sampled = tuple((r.request_id, t) for r, t in zip(cmd.batch, toks))
+            sampled = tuple((r.request_id, t) for r, t in zip(batch, toks))
         return sampled, per_request
 
     def close(self) -> None:
