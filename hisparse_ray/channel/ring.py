@@ -46,6 +46,7 @@ _POS, _PID, _CLOSED, _WAITING = 0, 8, 16, 24
 _FRAME = struct.Struct("<QQ")  # payload length, sequence number (0, 1, 2, ...)
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
+_LINE3 = struct.Struct("<QQQ")  # a line's position, pid and closed flag
 
 Role = Literal["writer", "reader"]
 
@@ -280,21 +281,25 @@ class ShmRing:
         ``ChannelTimeoutError``, ``ChannelClosedError`` (a reader closed) or
         ``ChannelPeerLostError`` (a reader that blocks the ring died)."""
         self._check_role("writer")
-        load, lines = self._load, self._reader_lines
-        for off in lines:
-            if load(off + _CLOSED):
+        mm, lines, line3 = self._mm, self._reader_lines, _LINE3.unpack_from
+        low = None
+        for off in lines:  # one read per reader: its position, pid and closed flag
+            rpos, _, closed = line3(mm, off)
+            if closed:
                 raise ChannelClosedError("a reader closed its end", self.name)
+            if low is None or rpos < low:
+                low = rpos
         payload = self._codec.dumps(obj)
         n = len(payload)
         if n > self.capacity - _FRAME.size:
             raise MessageTooLargeError(n, self.max_message_bytes, self.name)
         frame = _FRAME.size + ((n + 7) & ~7)
-        pos, cap = self._pos, self.capacity
-        if cap - (pos - min(load(off + _POS) for off in lines)) < frame:
+        pos, cap, load = self._pos, self.capacity, self._load
+        if cap - (pos - low) < frame:
             self._wait(lambda: cap - (pos - min(load(off + _POS) for off in lines)) >= frame,
                        timeout, "no room in the ring")
         off = pos % cap
-        data, mm = self._data, self._mm
+        data = self._data
         if off + frame <= cap:  # the common case: one contiguous frame
             _FRAME.pack_into(mm, data + off, n, self._seq)
             mm[data + off + 16:data + off + 16 + n] = payload
@@ -305,8 +310,10 @@ class ShmRing:
         _U64.pack_into(mm, _WRITER + _POS, self._pos)  # publish
         if self._futex:  # wake the readers blocked on write_pos
             self._fence()
-            if any(load(off + _WAITING) for off in lines):
-                futex_wake(self._base + _WRITER + _POS)
+            for off in lines:
+                if load(off + _WAITING):
+                    futex_wake(self._base + _WRITER + _POS)
+                    break
 
     def recv(self, timeout: float | None = None) -> Any:
         """Take the next message (in send order); blocks up to ``timeout`` s (None = forever).

@@ -194,6 +194,29 @@ class PoolActor:
             bad += sum(not torch.equal(g[rows], w[rows]) for g, w in zip(got, want))
         return bad
 
+    # --- a decode step's ordering: rank 0 backs rows up on its copy stream and publishes without
+    # waiting; the peer's next step waits on the generation, then reads the rows on the GPU
+    def backup_step(self, seed: int, rows: list[int]) -> int:
+        from hisparse_ray.host import copies
+
+        self.layers = self._device_layers(seed)  # kept: the copies read it after we return
+        self.copy_stream = getattr(self, "copy_stream", None) or torch.cuda.Stream()
+        torch.cuda._sleep(20_000_000)  # the forward, still running when the step reports
+        copies.backup_rows(self.layers, self.pool, rows, rows, self.copy_stream)
+        return self.pool.publish(self.copy_stream)  # no host sync: the report leaves now
+
+    def read_step(self, seed: int, rows: list[int], generation: int) -> int:
+        """Rows of mismatching bytes after reading ``rows`` through UVA (as the resolver reads
+        misses) on the current stream, once it waited for ``generation``."""
+        from hisparse_ray.host import copies
+
+        want = self._device_layers(seed)
+        got = [torch.zeros_like(t) for t in want]
+        self.pool.wait_published(generation)
+        copies.fill_rows(got, self.pool, rows, rows, use_uva=True).order_before()
+        torch.cuda.current_stream().synchronize()
+        return sum(not torch.equal(g[r], w[r]) for g, w in zip(got, want) for r in rows)
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.destroy() if self.pool.is_owner else self.pool.close()
