@@ -16,7 +16,9 @@ def test_bench_wire_smoke(tmp_path):
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_wire.py"), "--steps", "20",
          "--tp", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "msgspec / pickle, cold" in proc.stdout
-    rows = json.loads(out.read_text())["median_us"]
-    assert set(rows) == {"msgspec warm", "msgspec cold", "pickle warm", "pickle cold"}
+    assert "msgspec+py / pickle+py, cold" in proc.stdout
+    got = json.loads(out.read_text())
+    rows = got["median_us"]
+    impls = ["msgspec+py", "pickle+py"] + (["msgspec+C"] if got["c_ring_built"] else [])
+    assert set(rows) == {f"{i} {c}" for i in impls for c in ("warm", "cold")}
     assert all(v > 0 for stages in rows.values() for v in stages.values())

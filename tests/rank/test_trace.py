@@ -15,7 +15,8 @@ import torch
 from hisparse_ray.engine import Engine, EngineConfig
 from hisparse_ray.model.model import build_tiny_model
 from hisparse_ray.rank.trace import SCHEMA, TopkTraceRecorder, replay_hit_rate
-from hisparse_ray.types import BatchRow, RequestId
+from hisparse_ray.rank.executor import Row
+from hisparse_ray.types import RequestId
 
 H = 16  # EngineConfig's default device_buffer_size (top_k 8, page 8)
 KINDS = ["deepseek_v32", "glm_moe_dsa"]
@@ -101,7 +102,7 @@ HAND_EXPECTED = {3: (21, 10), 4: (19, 9), 5: (19, 9)}
 def hand_trace():
     rec = TopkTraceRecorder()
     for step, batch in HAND:
-        rows = [BatchRow(RequestId(rid), n, 0) for rid, n, _ in batch]
+        rows = [Row(RequestId(rid), n, 0, None) for rid, n, _ in batch]
         rec.begin_step(step, rows)
         for layer in (0, 1):
             out = rec.hook(layer, torch.tensor([sel[layer] for _, _, sel in batch]))
