@@ -23,11 +23,13 @@ import struct
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from hisparse_ray.channel.codec import Codec, StepCodec
 from hisparse_ray.channel.futex import futex_available, futex_wait, futex_wake
+from hisparse_ray.channel.spec import (  # noqa: F401  (re-exported: the rings' public surface)
+    DEFAULT_PREFIX, SHM_DIR, ChannelSpec, Role, WaitPolicy, cleanup_stale_segments, pid_alive,
+)
 from hisparse_ray.config import env_flag
 from hisparse_ray.errors import (
     ChannelClosedError,
@@ -36,10 +38,7 @@ from hisparse_ray.errors import (
     ChannelTimeoutError,
     MessageTooLargeError,
 )
-from hisparse_ray.host.segment import pid_alive as _pid_alive
 
-SHM_DIR = "/dev/shm"
-DEFAULT_PREFIX = "hsr-ch-"
 DEFAULT_CAPACITY = 1 << 20
 MAX_READERS = 64
 
@@ -53,9 +52,6 @@ _FRAME = struct.Struct("<QQ")  # payload length, sequence number (0, 1, 2, ...)
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _LINE3 = struct.Struct("<QQQ")  # a line's position, pid and closed flag
-
-Role = Literal["writer", "reader"]
-
 
 def _load_native():
     """The C ring ops, or None (not built, or switched off with HISPARSE_NATIVE_RING=0)."""
@@ -73,74 +69,6 @@ NATIVE = _load_native()
 
 def _data_offset(readers: int) -> int:
     return _READER + 64 * readers
-
-
-@dataclass(frozen=True, slots=True)
-class ChannelSpec:
-    """What an attaching side needs: the segment, its geometry, the role the creator took, and
-    (attaching as a reader of a ring with several) which reader it is."""
-
-    name: str
-    capacity: int
-    creator_role: Role
-    readers: int = 1
-    reader: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class WaitPolicy:
-    """How a blocked ``send``/``recv`` waits: busy-spin for ``spin_s``, then ``sched_yield()``s
-    until ``yield_s``, then blocks on a futex (``futex=True`` and supported: the other side's
-    publish or read wakes it, a wait lasts at most ``futex_slice_s``) or else sleeps doubling from
-    ``min_sleep_s`` to ``max_sleep_s``. The peer's liveness is checked at most every
-    ``liveness_s`` once blocked. Ranks with a core of their own can raise ``yield_s``."""
-
-    spin_s: float = 50e-6
-    yield_s: float = 1e-3
-    min_sleep_s: float = 10e-6
-    max_sleep_s: float = 100e-6  # bounds the latency a sleeping waiter adds
-    liveness_s: float = 0.02
-    futex: bool = True
-    futex_slice_s: float = 2e-3  # bounds a lost wake-up (see ShmRing) and the close check
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.spin_s <= self.yield_s:
-            raise ValueError(f"need 0 <= spin_s <= yield_s, got {self.spin_s}, {self.yield_s}")
-        if not 0 < self.min_sleep_s <= self.max_sleep_s:
-            raise ValueError(f"need 0 < min_sleep_s <= max_sleep_s, got {self.min_sleep_s}, "
-                             f"{self.max_sleep_s}")
-        if not self.futex_slice_s > 0:
-            raise ValueError(f"need futex_slice_s > 0, got {self.futex_slice_s}")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host and is not a zombie."""
-    return _pid_alive(pid, 0)
-
-
-def cleanup_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
-    """Unlink ring segments whose creator process is gone (names carry the creator's pid);
-    returns the names removed. Segments are normally unlinked once every end is mapped, so only
-    a creator that died before its peers attached leaves one behind."""
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        try:
-            pid = int(name[len(prefix):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if not pid_alive(pid):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
 
 
 class ShmRing:
