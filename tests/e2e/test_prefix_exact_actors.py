@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from hisparse_ray.actors import launch
-from hisparse_ray.actors.reference import full_resident_tokens
+from hisparse_ray.testing.full_resident import full_resident_tokens
 from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
 
 pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
