@@ -121,6 +121,7 @@ class HiSparseWorker:
         self.batch_invariant = batch_invariant
         self.host_wait_s = host_wait_s
         self.handles: dict[int, RequestId] = {}
+        self._host_seq = 0  # the host-pool generation this rank's stream last waited for
         # every page copy of this rank runs here (CUDA), off the compute stream
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
@@ -193,11 +194,12 @@ class HiSparseWorker:
                 raise StateError(f"step {cmd.step} defines handle {d.handle} as {d.request_id!r}; "
                                  f"it still names {names[d.handle]!r}")
             names[d.handle] = d.request_id
-        if cmd.host_seq and not self.writer:
+        if cmd.host_seq > self._host_seq and not self.writer:
             # rank 0's host writes up to this generation come before any host read of ours
             # (CUDA: the current stream waits on its IPC event; the copy stream waits on the
-            # current stream before each batch of copies)
+            # current stream before each batch of copies); once per generation
             self.pool.wait_published(cmd.host_seq, timeout_s=self.host_wait_s)
+            self._host_seq = cmd.host_seq
         for diff in cmd.table_diffs:
             rt.apply_diff(self._name(cmd, diff.handle), diff.page, diff.host_block,
                           diff.device_block)
