@@ -12,8 +12,8 @@ import pytest
 import ray
 
 from hisparse_ray.actors import launch
-from hisparse_ray.testing.full_resident import full_resident_tokens
 from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
+from hisparse_ray.testing.full_resident import full_resident_tokens
 
 pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
 
