@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from hisparse_ray.config import CoordinatorConfig, HiSparseConfig
+from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.engine import EngineConfig
 from hisparse_ray.errors import HostPoolError, StateError
