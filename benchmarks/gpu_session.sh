@@ -15,7 +15,7 @@
 #   or, 16K landings with push-with-prefill never / always / auto:  ... landing-pwp
 #   or, every gpu test and the control plane once more:  ... final
 #   or, the actor-system gpu tests, the channel tests and the control plane (~4 min):  ... check
-#   or, issue #16 B2 + B3 (~2.8 min; call 2 carries .device-wheels/nixl AND .device-wheels/wire,
+#   or, issue #16 B2 + B3 (~3 min; call 2 carries .device-wheels/nixl AND .device-wheels/wire,
 #       msgspec's cp312 wheel): the host-ordering gpu tests, the wire bench, the control plane
 #       and the TP 2 step time:  bash benchmarks/gpu_session.sh b23
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
@@ -119,13 +119,14 @@ case "${1:-run}" in
           --new-tokens 32 --out "$OUT/tp_landing.json" > "$OUT/tp_landing.log" 2>&1
         grep -E "$keep|^tp|^layout|up in|^decode" "$OUT/tp_landing.log" | tail -10
         exit 0 ;;
-      b23)  # ~2.8 min: issue #16 B2 (rank 0's events order the peers) and B3 (one wire)
-        timeout 95 python3 -m pytest -q -p no:cacheprovider -m "gpu and not two_gpus" \
+      b23)  # ~3 min: issue #16 B2 (rank 0's events order the peers) and B3 (one wire)
+        timeout 85 python3 -m pytest -q -p no:cacheprovider -m "gpu and not two_gpus" \
           tests/host/test_ray.py "tests/e2e/test_gpu.py::test_tp2_landings_spills_restores_backups_match_full_resident" \
           2>&1 | tee "$OUT/b23_tests.log" | grep -E "passed|failed|FAILED|Error|^tp2" | tail -12
-        timeout 20 python3 benchmarks/bench_wire.py --tp 2 --steps 200 --out "$OUT/wire_b23.json" 2>&1 | tail -11
-        for r in native python; do  # C ring ops vs Python ring ops, msgspec codec both
-          timeout 60 python3 benchmarks/bench_control_plane.py --only control --probes 300 --ring "$r" \
+        timeout 15 python3 benchmarks/bench_wire.py --tp 2 --steps 200 --out "$OUT/wire_b23.json" 2>&1 | tail -11
+        # the Python ring first: if it meets the target, _ring.c can go; then the C ring
+        for r in python native; do
+          timeout 50 python3 benchmarks/bench_control_plane.py --only control --probes 200 --ring "$r" \
             --out "$OUT/control_plane_b23_$r.json" > "$OUT/control_plane_b23_$r.log" 2>&1
           grep -E "$keep|^stages" "$OUT/control_plane_b23_$r.log" | tail -7
         done
