@@ -384,7 +384,7 @@ class ReplicaCoordinator:
         return [t for lander in self._landers for t in lander.trace]
 
     def get_step_trace(self) -> list[tuple]:
-        """(step, start, sent per rank, report found per rank, loaded per rank)
+        """(step, start, command sent, report found per rank, loaded per rank)
         ``perf_counter`` stamps of the recent steps (benchmarks; see ``DecodeWorker``)."""
         return list(self.channels.trace) if self.channels is not None else []
 
