@@ -120,9 +120,8 @@ class DecodeWorker:
         if self.pool is None:
             raise StateError("build() before the host pool was created/attached")
         spec = self.spec
-        model = spec.model.build(spec.device)
-        if spec.tp_size > 1:
-            model.shard_heads(self.rank, spec.tp_size)  # all-reduce over the default (TP) group
+        # this rank's heads only (a folder: read slice by slice); all-reduce over the default group
+        model = spec.model.build(spec.device, rank=self.rank, tp_size=spec.tp_size)
         self.executor = HiSparseWorker(
             model, spec.hisparse, spec.layout, spec.num_device_blocks, self.pool, rank=self.rank,
             device=spec.device, max_requests=max(spec.num_device_blocks, spec.max_batch) + 1,

@@ -4,9 +4,12 @@ Usage:  python benchmarks/soak_coordinator.py [--ops 1000000] [--seed 0] [--chec
 
 Random interleavings of admit, poll, landing (and landing failure), take_command, per-rank
 out-of-order reports, finish, free, restore and bad input, on small pools (constant pressure:
-spills, restores, evictions, stalls). ``check_invariants`` and the reference worker's content
-checks run every ``--check-every`` operations. Prints one row per pool configuration and exits 1
-if any violation was seen (the expected count is zero).
+spills, restores, evictions, stalls). ``check_invariants`` (including "the pools cover every
+admission reservation") and the reference worker's content checks run every ``--check-every``
+operations. Every ``--ops-per-driver`` operations the driver *settles* (liveness: no more
+arrivals, every ack delivered; every open request must finish on its own, no deadlock) and a
+fresh coordinator starts. Prints one row per pool configuration and exits 1 if any violation was
+seen (the expected count is zero).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     rows = {i: dict(ops=0, steps=0, spills=0, restores=0, backups=0, hits=0, evictions=0,
-                    stalls=0, finished=0, violations=0) for i in range(len(CONFIGS))}
+                    stalls=0, finished=0, settled=0, violations=0) for i in range(len(CONFIGS))}
     first_violations: list[str] = []
     t0 = time.perf_counter()
     done, run = 0, 0
@@ -59,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
                 row["violations"] += len(bad)
                 first_violations.extend(f"config {ci} run {run}: {v}" for v in bad[:3])
                 d = RandomDriver(cfg, seed=args.seed * 1000 + run + 10**6 + i)
+        try:
+            bad = d.settle()
+        except Exception as e:  # noqa: BLE001
+            bad = [f"settle: {type(e).__name__}: {e}"]
+        row["settled"] += not bad
+        row["violations"] += len(bad)
+        first_violations.extend(f"config {ci} run {run}: {v}" for v in bad[:3])
         c = d.coord.counters
         row["ops"] += n
         for key, attr in (("steps", "steps"), ("spills", "spills"), ("restores", "restores"),
@@ -72,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     dt = time.perf_counter() - t0
 
     cols = ["config", "ops", "steps", "spills", "restores", "backups", "hits", "evictions",
-            "stalls", "finished", "violations"]
+            "stalls", "finished", "settled", "violations"]
     print(" | ".join(f"{c:>10}" for c in cols))
     for ci, row in rows.items():
         if row["ops"]:

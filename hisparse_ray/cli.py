@@ -19,9 +19,19 @@ import time
 from dataclasses import MISSING, fields
 
 from hisparse_ray.config import KVLayout
-from hisparse_ray.deploy import GROUPS, ByteTokenizer, DeployOptions, load_config, visible_gpus
+from hisparse_ray.deploy import GROUPS, DeployOptions, load_config, visible_gpus
 
 CLI_GROUPS = {"demo": GROUPS[:4], "generate": GROUPS[:4], "serve": GROUPS}
+
+
+def __getattr__(name: str):
+    """``cli.ByteTokenizer``: lives in :mod:`hisparse_ray.model.tokenizer` (imported on use: that
+    package loads torch, which ``hisparse-ray --help`` need not wait for)."""
+    if name == "ByteTokenizer":
+        from hisparse_ray.model.tokenizer import ByteTokenizer
+
+        return ByteTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def options(args: argparse.Namespace) -> DeployOptions:
@@ -153,7 +163,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     opts = options(args)
     replica_spec, prefill_spec = opts.specs()
-    tok = ByteTokenizer()
+    tok = replica_spec.model.tokenizer()  # a folder's HF tokenizer, or the built-ins' byte one
+    if tok is None and args.prompt:
+        raise SystemExit(f"--prompt: the model {opts.model} has no tokenizer; give --ids")
     requests: list[tuple[str, list[int]]] = []
     for i, text in enumerate(args.prompt or []):
         requests.append((f"p{i}", tok.encode(text)))

@@ -186,6 +186,10 @@ class CoordinatorConfig:
     max_batch: most requests in one decode step.
     page_bytes / row_bytes: bytes of one page / one position across all layers (for byte
         counters only; 0 disables byte counting).
+    host_tier: False = full-resident under a device budget (the honest baseline): every request
+        lands resident with device blocks for its whole life leased at admission (so a running
+        request never stalls for a page), waits while they do not fit, and is never converted
+        to the host tier.
     """
 
     num_device_blocks: int
@@ -196,6 +200,7 @@ class CoordinatorConfig:
     max_batch: int = 256
     page_bytes: int = 0
     row_bytes: int = 0
+    host_tier: bool = True
 
     def __post_init__(self) -> None:
         for key in ("num_device_blocks", "num_host_blocks", "page_size", "device_buffer_size",

@@ -47,7 +47,9 @@ class DeployOptions:
     the device ("auto": a GPU when one is visible) into the specs the launcher takes."""
 
     # -- the model every actor builds
-    model: str = _opt("deepseek_v32", "built-in model kind: deepseek_v32 or glm_moe_dsa", "model")
+    model: str = _opt("deepseek_v32", "a built-in kind (deepseek_v32, glm_moe_dsa: tiny, random "
+                      "weights) or a local HF model folder (config.json, safetensors shards, "
+                      "tokenizer; DeepSeek-V3.2 / GLM-5, fp8 block-quantized included)", "model")
     seed: int = _opt(0, "model weights seed (identical on every actor)", "model")
     dtype: str = _opt("float32", "model and KV dtype (float32 keeps greedy choices robust to "
                       "batching differences in the exactness checks)", "model",
@@ -56,6 +58,9 @@ class DeployOptions:
                             "bytes per token around a tiny network (benchmarks)", "model",
                             choices=("tiny", "landing"))
     model_layers: int = _opt(61, "layers of the 'landing' shape", "model")
+    fp8: str = _opt("auto", "fp8 checkpoints: fp8 GEMMs on sm90 GPUs (auto, kernel) or "
+                    "dequantized at load (dequantize; always on CPUs)", "model",
+                    choices=("auto", "kernel", "dequantize"))
     # -- one decode replica
     config: HiSparseConfig = _opt(None, "HiSparse config: a JSON file or inline JSON (SGLang "
                                   "--hisparse-config keys + host_pool_gib); default: top-k 8 of a "
@@ -167,7 +172,7 @@ class DeployOptions:
 
     def _specs(self, gpus_per_rank: float) -> tuple["ReplicaSpec", "PrefillSpec"]:
         model = ModelSpec(kind=self.model, seed=self.seed, dtype=self.dtype,
-                          shape=self.model_shape, num_layers=self.model_layers)
+                          shape=self.model_shape, num_layers=self.model_layers, fp8=self.fp8)
         replica = ReplicaSpec(
             model=model, hisparse=self.config, page_size=self.page_size,
             num_device_blocks=self.device_blocks, staging_blocks=self.staging_blocks,
@@ -273,23 +278,35 @@ _D = {f.name: f.default for f in fields(DeployOptions)}  # the one set of defaul
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """The model every actor of a deployment builds: a built-in DSA model of ``kind`` with random
-    weights from ``seed`` (identical on every actor). ``dtype``: "float32" (CPU, tests) or
-    "bfloat16" (GPU). ``shape``: "tiny" (the embedded default, 4 layers of 48-value rows) or
-    "landing" (DeepSeek-V3.2's KV bytes per token around a tiny network, ``num_layers`` layers
-    of 576-value rows: for landing and capacity benchmarks)."""
+    """The model every actor of a deployment builds. ``kind``: a built-in DSA kind with random
+    weights from ``seed`` (identical on every actor), or the path of a local HF model folder
+    (config.json, safetensors shards, tokenizer: :func:`hisparse_ray.model.source.resolve`; each
+    rank reads only its slices; stored absolute). ``dtype``: "float32" (CPU, tests) or
+    "bfloat16" (GPU). ``shape`` (built-in kinds): "tiny" (the embedded default, 4 layers of
+    48-value rows) or "landing" (DeepSeek-V3.2's KV bytes per token around a tiny network,
+    ``num_layers`` layers of 576-value rows: for landing and capacity benchmarks). ``fp8`` (fp8
+    folders): "auto" (fp8 GEMMs on sm90, else dequantized at load), "kernel", "dequantize"."""
 
     kind: str = _D["model"]
     seed: int = _D["seed"]
     dtype: str = _D["dtype"]
     shape: str = _D["model_shape"]
     num_layers: int = _D["model_layers"]  # "landing" shape only
+    fp8: str = _D["fp8"]
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("dtype", self.dtype, "one of 'float32', 'bfloat16'")
-        if self.shape not in ("tiny", "landing"):
-            raise ConfigError("shape", self.shape, "one of 'tiny', 'landing'")
+        if self.fp8 not in ("auto", "kernel", "dequantize"):
+            raise ConfigError("fp8", self.fp8, "one of 'auto', 'kernel', 'dequantize'")
+        src = self.source()  # a bad kind, shape or folder fails here, before anything starts
+        object.__setattr__(self, "kind", src.name)  # a folder as an absolute path
+
+    def source(self):
+        """The resolved :class:`~hisparse_ray.model.source.ModelSource`."""
+        from hisparse_ray.model.source import resolve
+
+        return resolve(self.kind, seed=self.seed, shape=self.shape, num_layers=self.num_layers)
 
     def torch_dtype(self):
         import torch
@@ -297,18 +314,13 @@ class ModelSpec:
         return getattr(torch, self.dtype)
 
     def dsa_config(self):
-        from hisparse_ray.model.config import landing_config, tiny_config
+        return self.source().config
 
-        if self.shape == "landing":
-            return landing_config(self.kind, self.num_layers)
-        return tiny_config(self.kind)
-
-    def build(self, device: str = "cpu"):
-        """The full (unsharded) model on ``device``; same weights wherever it is built."""
-        from hisparse_ray.model.model import build_random_model
-
-        return build_random_model(self.dsa_config(), self.seed, dtype=self.torch_dtype(),
-                                  device=device)
+    def build(self, device: str = "cpu", *, rank: int = 0, tp_size: int = 1):
+        """Rank ``rank`` of ``tp_size``'s model on ``device`` (the whole model at TP 1; the TP
+        group is the default process group); same weights wherever it is built."""
+        return self.source().load(dtype=self.torch_dtype(), device=device, rank=rank,
+                                  tp_size=tp_size, fp8=self.fp8)
 
     def kv_layout(self, page_size: int) -> KVLayout:
         """The KV row layout of this model: ``row_dim`` values of ``dtype`` per (token, layer)."""
@@ -317,23 +329,24 @@ class ModelSpec:
         return KVLayout(num_layers=cfg.num_hidden_layers, page_size=page_size,
                         row_bytes=cfg.row_dim * itemsize)
 
-    def tokenizer(self) -> "ByteTokenizer | None":
-        """The built-in models' byte tokenizer when the vocabulary is its (96 ids), else None."""
-        vocab = int(self.dsa_config().vocab_size)
-        return ByteTokenizer() if vocab == ByteTokenizer.vocab_size else None
+    def tokenizer(self):
+        """A folder's HF tokenizer (None when it has no tokenizer.json), or the built-in kinds'
+        byte tokenizer when the vocabulary is its (96 ids), else None."""
+        src = self.source()
+        if src.is_folder:
+            return src.tokenizer() if (Path(src.name) / "tokenizer.json").is_file() else None
+        tok = src.tokenizer()
+        return tok if int(src.config.vocab_size) == tok.vocab_size else None
 
 
-class ByteTokenizer:
-    """Byte-level tokenizer of the tiny built-in models (vocab 96): printable ASCII 32..126 ->
-    ids 1..95, any other byte -> 0 (turned back into '?')."""
+def __getattr__(name: str):
+    """``deploy.ByteTokenizer``: lives in :mod:`hisparse_ray.model.tokenizer` (imported on use:
+    that package loads torch, which option parsing need not wait for)."""
+    if name == "ByteTokenizer":
+        from hisparse_ray.model.tokenizer import ByteTokenizer
 
-    vocab_size = 96
-
-    def encode(self, text: str) -> list[int]:
-        return [b - 31 if 32 <= b <= 126 else 0 for b in text.encode("utf-8")]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i + 31) if 1 <= i <= 95 else "?" for i in ids)
+        return ByteTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, slots=True)

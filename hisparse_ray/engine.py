@@ -19,8 +19,12 @@ import torch
 
 from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.core.coordinator import Coordinator
-from hisparse_ray.errors import ConfigError, DuplicateRequestError, InvalidRequestError, StateError
+from hisparse_ray.errors import (
+    CapacityError, ConfigError, DuplicateRequestError, InvalidRequestError, StateError,
+)
+from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.host.pool import HostPool
+from hisparse_ray.kernels.kvfp8 import KV_DTYPES, row_codec
 from hisparse_ray.rank.executor import HiSparseWorker, SamplingParams
 from hisparse_ray.types import RequestId, RequestState
 
@@ -32,8 +36,19 @@ class EngineConfig:
     """Sizing of one in-process engine.
 
     num_device_blocks: device pool blocks (``page_size`` rows per layer each) for resident pages and
-        hot buffers; ignored (grown) in full-resident mode.
+        hot buffers; ignored (grown) in full-resident mode unless ``device_pool_gib`` is set.
     full_resident: every request lands on resident device pages (the exactness baseline).
+    device_pool_gib: the GPU memory budget of the KV device pool, the same for both modes (it
+        replaces ``num_device_blocks``). Full-resident mode then has no host tier: a request
+        reserves device blocks for its whole life at admission and waits while they do not fit,
+        the honest capacity baseline. None: full-resident grows its pool to what the host pool
+        would hold (every request fits: the exactness baseline).
+    kv_cache_dtype: how KV rows are stored (host pool, device pool, landing bytes): "auto" (the
+        model's dtype), "fp32", "bf16" or "fp8" (DeepSeek-V3.2's 656 B layout; attention reads
+        dequantized rows), independent of the weights' dtype.
+    fast_path: decode through the fast step (:mod:`hisparse_ray.fastpath`: batched, paged GPU
+        index keys, FlashMLA / DeepGEMM where they run, CUDA graphs per bucket); None = the
+        reference path. Its largest bucket must hold ``max_batch``.
     """
 
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
@@ -44,17 +59,34 @@ class EngineConfig:
     device: str = "cpu"
     backend: str = "auto"
     batch_invariant: bool = True  # see HiSparseWorker and DSAModel.prefill: exact; False = throughput
+    kv_cache_dtype: str = "auto"
+    device_pool_gib: float | None = None
+    fast_path: FastPathConfig | None = None
 
     def __post_init__(self) -> None:
         for key in ("page_size", "num_device_blocks", "max_batch"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(key, v, "must be an integer >= 1")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_DTYPES:
+            raise ConfigError("kv_cache_dtype", self.kv_cache_dtype, f"must be 'auto' or one of {KV_DTYPES}")
+        g = self.device_pool_gib
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0):
+            raise ConfigError("device_pool_gib", g, "must be a number > 0 (GiB) or None")
+        if self.fast_path is not None:
+            if not isinstance(self.fast_path, FastPathConfig):
+                raise ConfigError("fast_path", self.fast_path, "must be a FastPathConfig or None")
+            if self.fast_path.max_batch < self.max_batch:
+                raise ConfigError("fast_path.buckets", self.fast_path.buckets,
+                                  f"the largest bucket must hold max_batch={self.max_batch}")
+
+    def codec(self, model_cfg: Any, dtype: torch.dtype):
+        """The KV row codec of ``kv_cache_dtype`` for this model."""
+        return row_codec(self.kv_cache_dtype, model_cfg, dtype)
 
     def layout(self, model_cfg: Any, dtype: torch.dtype) -> KVLayout:
-        itemsize = torch.empty((), dtype=dtype).element_size()
         return KVLayout(num_layers=model_cfg.num_hidden_layers, page_size=self.page_size,
-                        row_bytes=model_cfg.row_dim * itemsize)
+                        row_bytes=self.codec(model_cfg, dtype).row_bytes)
 
 
 @dataclass
@@ -81,18 +113,26 @@ class Engine:
                               f"must hold at least one host block ({self.layout.block_bytes} B)")
         hot_blocks = -(-(c.hisparse.device_buffer_size + 1) // c.page_size)
         num_device = c.num_device_blocks
-        if c.full_resident:
+        if c.device_pool_gib is not None:
+            num_device = int(c.device_pool_gib * (1 << 30)) // self.layout.block_bytes
+            if num_device < hot_blocks:
+                raise ConfigError("device_pool_gib", c.device_pool_gib,
+                                  f"must hold one hot buffer ({hot_blocks} blocks of "
+                                  f"{self.layout.block_bytes} B)")
+        elif c.full_resident:
             num_device = max(num_device, num_host + hot_blocks)
         self.core = Coordinator(CoordinatorConfig(
             num_device_blocks=num_device, num_host_blocks=num_host, page_size=c.page_size,
             device_buffer_size=c.hisparse.device_buffer_size, max_batch=c.max_batch,
-            page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token))
+            page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token,
+            host_tier=not (c.full_resident and c.device_pool_gib is not None)))
         self.pool = HostPool.create(f"engine{os.getpid()}-{next(_ids)}", self.layout, num_host)
         try:
             self.worker = HiSparseWorker(
                 model, c.hisparse, self.layout, num_device, self.pool, device=c.device,
                 max_requests=max(c.max_batch, num_device) + 1, backend=c.backend,
-                batch_invariant=c.batch_invariant)
+                batch_invariant=c.batch_invariant, kv_codec=c.codec(model.cfg, model.dtype),
+                fast=c.fast_path)
         except BaseException:
             self.pool.destroy()
             raise
@@ -113,6 +153,10 @@ class Engine:
         bad = [t for t in p.prompt if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise InvalidRequestError(rid, f"token {bad[0]!r} is not an id in [0, {vocab}) of this model")
+        fast = self.config.fast_path
+        if fast is not None and len(p.prompt) + max_new_tokens > fast.max_context:
+            raise CapacityError(f"positions of request {rid!r} (fast_path.max_context)",
+                                len(p.prompt) + max_new_tokens, fast.max_context)
         adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id)  # validates first
         self._known[rid] = p
         self.worker.set_sampling(rid, sampling or SamplingParams())
@@ -138,6 +182,20 @@ class Engine:
         self.worker.install_index_keys(adm.request_id, keys, T + p.max_new_tokens + 1)
         self._pending.pop(adm.request_id, None)
         self.core.apply_landed(adm.request_id)
+
+    def abort(self, request_id: str) -> list[int]:
+        """Finish a request now (waiting or running); its blocks are released once nothing of it
+        is in flight. Returns the tokens it generated so far (a prefix of its full answer)."""
+        rid = RequestId(request_id)
+        self.core.finish(rid)  # UnknownRequestError / StateError before anything changes
+        self._pending.pop(rid, None)
+        if (self.core.view(rid).state is RequestState.RELEASED
+                and rid not in self.worker.runtime.requests):  # no step ever named it
+            self.worker.index.pop(rid, None)
+            self.worker.samplers.pop(rid, None)
+            if self.worker.fast is not None:  # its paged index keys
+                self.worker.fast.release(rid)
+        return self.result(request_id)
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> bool:

@@ -152,3 +152,16 @@ class InvalidRequestError(HiSparseError, ValueError):
 
     def __str__(self) -> str:
         return f"invalid request {self.request_id!r}: {self.reason}"
+
+
+class CheckpointError(ConfigError):
+    """A model folder is unusable: names the file, the key (tensor or config key) and the problem
+    (missing shard, missing scale, wrong dtype or shape, a model type that is not DSA...)."""
+
+    def __init__(self, file: str, key: str, problem: str) -> None:
+        HiSparseError.__init__(self, file, key, problem)
+        self.file, self.key, self.problem = file, key, problem
+        self.value, self.allowed = file, problem  # ConfigError's fields: handlers that print them work
+
+    def __str__(self) -> str:
+        return f"checkpoint {self.file}: {self.key}: {self.problem}"

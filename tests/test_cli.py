@@ -67,3 +67,24 @@ def test_serve_options_are_checked_before_anything_starts(capsys):
     assert cli.main(["serve", "--config", bad]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hisparse-ray serve: invalid config") and "Traceback" not in err
+
+
+def test_model_flag_takes_a_folder_and_a_bad_folder_is_one_line(tmp_path, capsys):
+    from hisparse_ray.deploy import DeployOptions
+    from hisparse_ray.model.model import build_random_model
+    from tests.model._checkpoint import checkpoint_config, write_released
+
+    folder = write_released(build_random_model(checkpoint_config(layers=2), seed=3), tmp_path / "m")
+    opts = cli.options(cli.build_parser().parse_args(
+        ["generate", "--model", str(folder), "--fp8", "dequantize", "--ids", "1,2", "--device", "cpu"]))
+    replica, prefill = opts.specs()
+    assert replica.model.kind == prefill.model.kind == str(folder.resolve())
+    assert replica.model.fp8 == "dequantize" and replica.layout.num_layers == 2
+    served = DeployOptions.from_dict({"model": str(folder), "fp8": "dequantize", "device": "cpu"})
+    assert served.specs()[0].model == replica.model  # the Serve options take the same folder
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"lm_head.weight": "gone.safetensors"}}')
+    assert cli.main(["generate", "--model", str(folder), "--ids", "1,2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err  # (Ray's import may print a notice first)
+    assert err.strip().splitlines()[-1].startswith(
+        "hisparse-ray generate: checkpoint model.safetensors.index.json: lm_head.weight: its shard "
+        "gone.safetensors is missing") and "Traceback" not in err

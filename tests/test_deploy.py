@@ -70,7 +70,7 @@ def test_every_option_is_a_serve_flag_and_demo_takes_the_deployment_ones():
     ("landing_push_with_prefill", "sometimes", "landing_push_with_prefill"),
     ("step_yield_s", 1e-6, "step_yield_s"),
     ("config", '{"top_k": 64, "device_buffer_size": 16}', "top_k"),
-    ("model", "llama", "kind='llama'"),
+    ("model", "llama", "model='llama': a built-in kind"),
 ])
 def test_a_bad_option_is_refused_naming_it(key, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -155,3 +155,31 @@ def test_landing_shape_builds_and_prefills_with_tp2_divisible_heads():
     _, rows, keys = model.prefill(torch.tensor([1, 5, 9, 2]))
     assert rows.shape == (2, 4, 576) and keys.shape == (2, 4, 128)
     assert model.cfg.num_attention_heads % 2 == 0
+
+
+def test_model_spec_takes_a_model_folder(tmp_path):
+    import torch
+
+    from hisparse_ray.errors import CheckpointError
+    from hisparse_ray.model.model import build_random_model
+    from tests.model._checkpoint import checkpoint_config, write_released
+
+    folder = write_released(build_random_model(checkpoint_config(layers=2), seed=3), tmp_path / "m")
+    spec = ModelSpec(kind=str(folder), fp8="dequantize")
+    assert spec.kind == str(folder.resolve()) and spec.dsa_config().hidden_size == 256
+    assert spec.kv_layout(8).row_bytes == (128 + 64) * 4
+    part = spec.build(rank=1, tp_size=2)
+    assert part.model.layers[0].self_attn.heads == 2
+    whole = spec.build().shard_heads(1, 2)
+    for k, v in whole.state_dict().items():
+        assert torch.equal(v, part.state_dict()[k]), k
+    assert spec.tokenizer().decode(spec.tokenizer().encode("hi there")) == "hi there"
+    (folder / "tokenizer.json").unlink()
+    assert ModelSpec(kind=str(folder)).tokenizer() is None  # Serve then asks for 'ids'
+    with pytest.raises(ConfigError, match="fp8"):
+        ModelSpec(fp8="int4")
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="model_type"):
+        ModelSpec(kind=str(folder))
+    with pytest.raises(ConfigError, match="model='no/such/dir'"):
+        DeployOptions(model="no/such/dir")

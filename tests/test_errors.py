@@ -18,6 +18,7 @@ SAMPLES = [
     E.KernelPreconditionError("positions not distinct"),
     E.TransferError("NIXL_ERR_BACKEND", "r9"),
     E.TransferTimeoutError("no notification after 3 tries", "r9"),
+    E.CheckpointError("model-00002.safetensors", "model.norm.weight", "missing"),
 ]
 
 

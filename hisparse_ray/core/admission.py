@@ -1,5 +1,5 @@
-"""Admission helpers of the coordinator: request validation, prefix match, fit test, landing plan
-(pure ring).
+"""Admission helpers of the coordinator: request validation, prefix match, fit test against the
+unreserved room (:mod:`~hisparse_ray.core.reservations`), landing plan (pure ring).
 
 Landing plan per page: a resident target gets a device block for every page of positions
 ``0..P-1``; matched prefix pages are marked reused and restored from their host blocks by the
@@ -10,10 +10,12 @@ host block per page (matched ones shared, ref-counted) plus a hot buffer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hisparse_ray.core.device_blocks import HOT_GROUP
 from hisparse_ray.core.prefix_index import chain_keys
 from hisparse_ray.core.request import Page, Request
+from hisparse_ray.core.reservations import Room, life_pages, resident_backing
 from hisparse_ray.core.residency import Residency
 from hisparse_ray.errors import InvalidRequestError
 from hisparse_ray.types import (
@@ -45,28 +47,69 @@ def match_prefix(res: Residency, req: Request) -> list[HostBlockId]:
     return res.host.index.match(chain_keys(req.tokens[:req.prompt_len - 1], res.ps))
 
 
-def fits(res: Residency, req: Request, target: LandingTarget, matched: list[HostBlockId]) -> bool:
-    """Whether ``target`` can be leased now: resident = every page of positions ``0..P-1`` in free
-    device blocks; host = a hot buffer in free device blocks and the unmatched pages in the host
-    pool (matched blocks that sit in the LRU do not count as available: they will be shared)."""
-    n0 = res.config.pages_for(req.prompt_len)
+def resident_pages(res: Residency, req: Request) -> int:
+    """Device blocks a resident landing leases: the prompt's pages, or its whole life's when the
+    coordinator has no host tier (a full-resident baseline reserves at admission)."""
+    n = req.prompt_len if res.config.host_tier else req.lifetime_positions
+    return res.config.pages_for(n)
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """How an admission lands: ``backed`` (resident target only: its life reserved on the host
+    tier, so it may grow on demand and spill) and the matched prefix blocks it reuses."""
+
+    backed: bool
+    matched: list[HostBlockId]
+
+
+def _affordable(res: Residency, matched: list[HostBlockId], budget: int) -> list[HostBlockId]:
+    """Longest head of ``matched`` whose cached blocks (which leave the available count while
+    shared) number at most ``budget``."""
+    used = 0
+    for i, b in enumerate(matched):
+        used += res.host.is_cached(b)
+        if used > budget:
+            return matched[:i]
+    return matched
+
+
+def fit(res: Residency, req: Request, target: LandingTarget, matched: list[HostBlockId],
+        room: Room) -> Fit | None:
+    """How ``req`` can land on ``target`` now, keeping every reservation; None if it cannot.
+
+    Resident (:func:`resident_backing`): its prompt pages (at least a hot buffer's worth) on the
+    device with its life reserved on the host tier (backed), or its whole life on the device
+    (unbacked); matched blocks are restored, so only as many cached ones as the host room left
+    allows are reused. Host: a hot buffer on the device and its life in host blocks, less the
+    matched (shared) ones; cached matched blocks count against the room (they stop being
+    evictable)."""
+    life, hot_n = life_pages(res.config, req), res.hot_n
+    if not res.config.host_tier:  # a full-resident baseline: its whole life on the device
+        fits_life = target is LandingTarget.RESIDENT and room.admit_device >= life
+        return Fit(False, []) if fits_life else None
     if target is LandingTarget.RESIDENT:
-        return res.device.num_free >= n0
-    if res.device.num_free < res.hot_n:
-        return False
-    reusable_cached = sum(1 for b in matched if res.host.is_cached(b))
-    return res.host.available() - reusable_cached >= n0 - len(matched)
+        floor = max(res.config.pages_for(req.prompt_len), hot_n)
+        backed = resident_backing(room, life, floor, life)
+        if backed is None:
+            return None
+        return Fit(backed, _affordable(res, matched, room.host - (life if backed else 0)))
+    cached = sum(1 for b in matched if res.host.is_cached(b))
+    if room.admit_device >= hot_n and room.host - cached >= life - len(matched):
+        return Fit(False, matched)
+    return None
 
 
-def land(res: Residency, req: Request, matched: list[HostBlockId]) -> Admission:
-    """Lease the landing target of a request that ``fits`` and return its landing plan."""
-    ps = res.ps
+def land(res: Residency, req: Request, how: Fit) -> Admission:
+    """Lease the landing target of a request that ``fit`` placed and return its landing plan."""
+    ps, matched = res.ps, how.matched
+    req.backed = how.backed
     n0 = res.config.pages_for(req.prompt_len)
     for b in matched:
         res.host.acquire(b)
     res.stats["prefix_hit_pages"] += len(matched)
     if req.target is LandingTarget.RESIDENT:
-        blocks = res.device.lease(n0, req.rid)
+        blocks = res.device.lease(resident_pages(res, req), req.rid)
         assert blocks is not None
         req.pages = [Page(device=d) for d in blocks]
         for i, b in enumerate(matched):

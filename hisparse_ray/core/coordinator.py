@@ -34,9 +34,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from hisparse_ray.config import CoordinatorConfig
-from hisparse_ray.core.admission import MAX_TOKEN, fits, land, match_prefix, validate_request
+from hisparse_ray.core.admission import MAX_TOKEN, fit, land, match_prefix, validate_request
 from hisparse_ray.core.invariants import check_coordinator
 from hisparse_ray.core.request import Conversion, Page, Request, TransferOp
+from hisparse_ray.core.reservations import Room, life_pages, resident_backing, room
 from hisparse_ray.core.residency import Residency
 from hisparse_ray.errors import (
     CapacityError, DoubleFreeError, DuplicateRequestError, InvalidRequestError, StateError,
@@ -55,10 +56,15 @@ _KIND = {TransferOp.SPILL: TransferKind.SPILL, TransferOp.RESTORE: TransferKind.
 class Coordinator:
     """Owns host block ids, prefix identity, device leases and the residency state machine.
 
-    Landing target (chosen once, at the first admission attempt): RESIDENT if every page of
-    positions ``0..P-1`` fits the free device pool now; else HOST if a hot buffer and the host
-    pages (beyond the matched prefix) fit now; else the request waits with RESIDENT when its whole
-    life fits the device pool, HOST otherwise, and keeps that choice across retries.
+    Admission reserves what a request can grow to (:mod:`~hisparse_ray.core.reservations`), so
+    the pools never run dry mid-decode. Landing target (chosen once, at the first admission
+    attempt), judged against the unreserved room: RESIDENT if its prompt pages fit the device and
+    its life the host tier (backed: grows on demand, spills when the device runs dry) or its whole
+    life fits the device (unbacked: never spills; preferred when that costs the device no more,
+    or when the host room is short); else HOST if a hot buffer and its life in host blocks
+    (beyond the matched prefix) fit; else the request waits with RESIDENT when its whole life fits
+    the device pool, HOST otherwise, and keeps that choice across retries. A request that does not
+    fit even empty pools is refused (CapacityError).
 
     Waiting requests are retried in FIFO order by :meth:`poll_waiting` (a new request waits
     behind earlier waiting ones). Under device pressure (a waiting admission, or a resident request
@@ -91,18 +97,26 @@ class Coordinator:
         cfg = self.config
         life = cfg.pages_for(len(tokens) + max_new_tokens - 1)
         resident_ever = life <= cfg.num_device_blocks
-        host_ever = life <= cfg.num_host_blocks
+        host_ever = cfg.host_tier and life <= cfg.num_host_blocks
         if not (resident_ever or host_ever):
-            raise CapacityError("request pages", life, max(cfg.num_device_blocks, cfg.num_host_blocks))
+            raise CapacityError(
+                f"request {request_id!r} ({len(tokens)} prompt + {max_new_tokens} new tokens = "
+                f"{life} pages of {cfg.page_size} positions) fits neither the device pool "
+                f"({cfg.num_device_blocks} blocks) nor the host pool ({cfg.num_host_blocks} "
+                f"blocks); pages", life, max(cfg.num_device_blocks, cfg.num_host_blocks))
         req = Request(RequestId(request_id), tokens, len(tokens), max_new_tokens, eos_token_id,
                       LandingTarget.RESIDENT, LandingTarget.RESIDENT)
         req.written = len(tokens) - 1
         matched = match_prefix(self.res, req)
-        if not self._waiting and fits(self.res, req, LandingTarget.RESIDENT, matched):
+        how = None
+        if not self._waiting:
+            free = self._room()
+            how = fit(self.res, req, LandingTarget.RESIDENT, matched, free)
             target = LandingTarget.RESIDENT
-        elif not self._waiting and host_ever and fits(self.res, req, LandingTarget.HOST, matched):
-            target = LandingTarget.HOST
-        else:
+            if how is None and host_ever:
+                how = fit(self.res, req, LandingTarget.HOST, matched, free)
+                target = LandingTarget.HOST
+        if how is None:
             target = LandingTarget.RESIDENT if resident_ever else LandingTarget.HOST
             req.target = req.tier = target
             self._record(req)
@@ -112,7 +126,11 @@ class Coordinator:
             return None
         req.target = req.tier = target
         self._record(req)
-        return land(self.res, req, matched)
+        return land(self.res, req, how)
+
+    def _room(self) -> Room:
+        return room(self.config, self.host.available(), self.device.num_free,
+                    self._requests.values())
 
     def _record(self, req: Request) -> None:
         self._requests[req.rid] = req
@@ -124,12 +142,12 @@ class Coordinator:
         out: list[Admission] = []
         while self._waiting:
             req = self._requests[self._waiting[0]]
-            matched = match_prefix(self.res, req)
-            if not fits(self.res, req, req.target, matched):
+            how = fit(self.res, req, req.target, match_prefix(self.res, req), self._room())
+            if how is None:
                 self._relieve(req)
                 break
             self._waiting.pop(0)
-            out.append(land(self.res, req, matched))
+            out.append(land(self.res, req, how))
         return tuple(out)
 
     def apply_landed(self, request_id: RequestId) -> None:
@@ -160,10 +178,12 @@ class Coordinator:
         step = self._step + 1
         for req in self._requests.values():
             if req.conversion is Conversion.HOT:
-                res.finish_hot(req)
+                done = res.finish_hot(req)
+                assert done, f"{req.rid}: hot buffer outside its device reservation"
         defined: list[RequestHandle] = []
         batch: list[BatchRow] = []
         backups: list[Backup] = []
+        room_dev: int | None = None  # unreserved device blocks, computed when first needed
         for req in self._requests.values():
             if len(batch) >= cfg.max_batch:
                 break
@@ -173,17 +193,22 @@ class Coordinator:
             i = pos // cfg.page_size
             if i == len(req.pages):
                 if req.tier is LandingTarget.RESIDENT:
+                    if req.backed and len(req.pages) >= res.hot_n:  # beyond its reservation
+                        if room_dev is None:
+                            room_dev = self._room().device
+                        if room_dev < 1:
+                            req.stalled = True
+                            res.stats["stalls"] += 1
+                            self._relieve(req)
+                            continue
+                        room_dev -= 1
                     got = self.device.lease(1, req.rid)
-                    if got is None:
-                        res.stats["stalls"] += 1
-                        self._relieve(req)
-                        continue
+                    assert got is not None, f"{req.rid}: device page outside every reservation"
+                    req.stalled = False
                     req.pages.append(Page(device=got[0]))
                 else:
                     hb = self.host.allocate(1)
-                    if hb is None:
-                        res.stats["stalls"] += 1
-                        continue
+                    assert hb is not None, f"{req.rid}: host page outside its reservation"
                     req.pages.append(Page(host=hb[0]))
             h = self._handle(req, defined)
             if req.tier is LandingTarget.HOST:
@@ -239,28 +264,42 @@ class Coordinator:
 
     def _relieve(self, needy: Request) -> None:
         """Device pressure: convert one resident request to the host tier, unless a conversion is
-        already in flight. Victim: the stable resident request with the most pages whose
-        conversion frees blocks (the needy request itself qualifies if it frees none but stops
-        needing new device pages)."""
+        already in flight. Victim: the stable resident request holding at least a hot buffer's
+        worth of pages whose conversion frees the most unreserved device blocks (a backed one frees
+        its pages beyond a hot buffer; an unbacked one also its reservation, and needs its life in
+        host room); the needy request itself qualifies if it frees none but stops needing new
+        device pages."""
+        if not self.config.host_tier:
+            return  # a full-resident baseline never converts: it waits
         hot_n = self.config.hot_blocks_per_request
-        if (needy.state is RequestState.WAITING and needy.target is LandingTarget.HOST
-                and self.device.num_free >= hot_n):
-            return  # the host pool is its bottleneck: spilling would only make it worse
         if any(r.conversion in (Conversion.SPILL, Conversion.HOT) for r in self._requests.values()):
             return
+        free: Room | None = None  # computed only when needed: O(requests)
+        if needy.state is RequestState.WAITING and needy.target is LandingTarget.HOST:
+            free = self._room()
+            if free.admit_device >= hot_n:
+                return  # the host pool is its bottleneck: spilling would only make it worse
         best, best_gain = None, -1
         for req in self._requests.values():
             if not (self._eligible(req) and req.tier is LandingTarget.RESIDENT and not req.in_flight):
                 continue
-            if self.config.pages_for(req.lifetime_positions) > self.config.num_host_blocks:
-                continue
-            if len(req.pages) > self.host.available():
-                continue
-            gain = len(req.pages) - hot_n
+            n = len(req.pages)
+            if n < hot_n:
+                continue  # its hot buffer would take more device blocks than it frees
+            if req.backed:
+                gain = n - hot_n
+            else:
+                life = life_pages(self.config, req)
+                if free is None:
+                    free = self._room()
+                if life > free.host:
+                    continue  # no host room for its life
+                gain = life - hot_n
             if (gain > 0 or (req is needy and gain == 0)) and gain > best_gain:
                 best, best_gain = req, gain
         if best is not None:
-            self.res.start_spill(best)
+            started = self.res.start_spill(best)
+            assert started, f"{best.rid}: spill outside the host room"
 
     # -- reports -----------------------------------------------------------------------------------
     def apply_report(self, report: StepReport) -> None:
@@ -386,13 +425,20 @@ class Coordinator:
     # -- restore policy ------------------------------------------------------------------------------
     def restore(self, request_id: RequestId) -> bool:
         """Move a stable host-tier request back to resident pages. False (nothing changed) when
-        the device pool cannot hold every page now; StateError when it is not stable host tier."""
+        the unreserved device room cannot hold every page now (or, backed, the host room its
+        life); StateError when it is not stable host tier."""
         req = self._get(request_id, RequestState.RUNNING)
         if req.tier is not LandingTarget.HOST or not self._eligible(req) or req.in_flight:
             raise StateError(f"request {request_id!r} is not a stable host-tier request")
-        blocks = self.device.lease(len(req.pages), req.rid)
-        if blocks is None:
+        n = len(req.pages)
+        # backed: its host reservation grows back from ``life - n`` to ``life`` (a later spill)
+        backed = resident_backing(self._room(), life_pages(self.config, req),
+                                  max(n, self.res.hot_n), n)
+        if backed is None:
             return False
+        blocks = self.device.lease(n, req.rid)
+        assert blocks is not None
+        req.backed, req.stalled = backed, False
         for page, d in zip(req.pages, blocks):
             page.device = d
         self.res.start_restore(req, list(range(len(req.pages))))

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from hisparse_ray.core.request import Conversion, TransferOp
+from hisparse_ray.core.reservations import obligations, resident_bound
 from hisparse_ray.types import LandingTarget, RequestState
 
 if TYPE_CHECKING:
@@ -21,7 +22,9 @@ def check_coordinator(c: "Coordinator") -> None:
     free and leased; every prefix entry points at a live published block; no lease released before
     its ack (a pending transfer's blocks are still leased/owned and pinned); stable tiers have
     their shape; waiting/released requests hold nothing; a request handle names at most one
-    request and is never both free and in use."""
+    request and is never both free and in use; the pools cover every reservation (available host
+    blocks >= host reservations, free device blocks >= device reservations), so no request can
+    run out of blocks mid-decode."""
     host, device, book = c.host, c.device, c.book
     c.res.check_invariants()
     cfg = c.config
@@ -61,6 +64,8 @@ def check_coordinator(c: "Coordinator") -> None:
             assert tid in book.pending and book.pending[tid].rid == rid, f"{rid}: stray {tid}"
         if req.state in (RequestState.LANDING, RequestState.RUNNING):
             lo, hi = cfg.pages_for(req.written), cfg.pages_for(req.written + 1)
+            if not cfg.host_tier:  # a full-resident baseline leases its whole life at admission
+                hi = max(hi, cfg.pages_for(req.lifetime_positions))
             assert lo <= len(req.pages) <= hi, f"{rid}: {len(req.pages)} pages for {req.written}"
             assert len(req.tokens) >= req.written, f"{rid}: wrote past its tokens"
         page_ops = [book.pending[t].kind for t in req.in_flight
@@ -75,6 +80,17 @@ def check_coordinator(c: "Coordinator") -> None:
                 assert len(req.hot) == cfg.hot_blocks_per_request, f"{rid} hot buffer incomplete"
         if req.conversion is Conversion.SPILL:
             assert TransferOp.SPILL in page_ops, f"{rid} spilling with no spill in flight"
+    h_sum = d_sum = 0
+    for rid, req in c._requests.items():
+        h, d = obligations(cfg, req)
+        assert h >= 0 and d >= 0, f"{rid}: negative reservation (host {h}, device {d})"
+        h_sum, d_sum = h_sum + h, d_sum + d
+        if req.stalled and req.state is RequestState.RUNNING and resident_bound(req):
+            assert req.backed, f"{rid}: stalled without host backing"
+    assert host.available() >= h_sum, (
+        f"host reservations {h_sum} exceed the {host.available()} available host blocks")
+    assert device.num_free >= d_sum, (
+        f"device reservations {d_sum} exceed the {device.num_free} free device blocks")
     for b in range(device.num_blocks):
         assert device.owner(b) == dev_owner.get(b), (
             f"device block {b}: pool owner {device.owner(b)!r}, request holder {dev_owner.get(b)!r}")

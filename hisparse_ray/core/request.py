@@ -68,6 +68,8 @@ class Request:
     keys: list[PrefixKey] = field(default_factory=list)  # keys of full pages, computed lazily
     finish_reason: str | None = None
     forget_when_released: bool = False
+    backed: bool = False  # resident with its life reserved on the host tier (see reservations)
+    stalled: bool = False  # resident, waiting for a device page; claims one (see reservations)
 
     @property
     def num_generated(self) -> int:

@@ -79,7 +79,7 @@ class Residency:
         blocks = self.host.allocate(len(req.pages))
         if blocks is None:
             return False
-        req.conversion = Conversion.SPILL
+        req.conversion, req.stalled = Conversion.SPILL, False
         for i, (page, h) in enumerate(zip(req.pages, blocks)):
             page.host, page.host_rows = h, 0
             self._emit(TransferOp.SPILL, req, i, page)

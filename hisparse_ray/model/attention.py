@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from hisparse_ray.model.cache import AttentionKVCache
 from hisparse_ray.model.config import DSAConfig
+from hisparse_ray.model.fp8 import linear_no_bias
 from hisparse_ray.model.indexer import Indexer
 from hisparse_ray.model.layers import RMSNorm
 from hisparse_ray.model.plan import PrefillPlan
@@ -104,7 +105,7 @@ class MLAAttention(nn.Module):
         ctx = torch.matmul(p, rows[:, None, :, : cfg.kv_lora_rank])  # [B, Q, heads, R]
         w = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         o = torch.einsum("bqhr,hvr->bqhv", ctx, w[:, cfg.qk_nope_head_dim :])
-        out = nn.functional.linear(o.reshape(B, Q, self.heads * cfg.v_head_dim), self.o_proj.weight)
+        out = linear_no_bias(self.o_proj, o.reshape(B, Q, self.heads * cfg.v_head_dim))
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         if self.o_proj.bias is not None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hisparse_ray.errors import ConfigError
 from hisparse_ray.model.config import DSAConfig
 from hisparse_ray.model.rowmath import RowMath
 
@@ -86,22 +87,118 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, packed. Replicated on every TP rank (no expert parallelism here)."""
+    """Routed experts, packed. Replicated on every TP rank (no expert parallelism here).
+
+    Weights: ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]`` in the model dtype, or after
+    :meth:`to_fp8_` float8_e4m3fn with ``gate_up_proj_scale_inv [E, 2I/128, D/128]`` /
+    ``down_proj_scale_inv [E, D/128, I/128]`` (the checkpoint's block scales, fp8 GEMM on sm90).
+
+    Two paths, same result contract ``x [N, D], weights [N, k] fp32, experts [N, k] -> [N, D]``:
+    ``path = "reference"`` (default; the exact path): for each selected expert in ascending id, its
+    tokens' rows in token order through two matmuls, scaled, ``index_add``-ed. ``"grouped"`` (the
+    throughput path): the (token, slot) pairs are sorted by expert once (one host sync instead of
+    one per expert); on the CPU, or for many tokens, each expert's run of rows is multiplied
+    exactly as the reference does (so the result is bitwise the reference's); on a CUDA device
+    the fp8 GEMM supports, with at most :data:`MASKED_MAX_TOKENS` tokens (decode), both matmuls of
+    all experts are one grouped kernel call each over a ``[E, N, D]`` masked layout (no host sync),
+    equal to the reference within bf16 / fp8 rounding (tests/model/test_moe_gpu.py states the bound).
+    """
+
+    MASKED_MAX_TOKENS = 128
 
     def __init__(self, cfg: DSAConfig) -> None:
         super().__init__()
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
+        self.fp8_block: tuple[int, int] | None = None
+        self.fp8_backend = "kernel"  # see hisparse_ray.model.fp8.set_fp8_backend
+        self.path = "reference"
+
+    def to_fp8_(self, block: tuple[int, int]) -> "Experts":
+        """Replace the weights by empty fp8 ones plus block scales (same device; the loader fills them)."""
+        from hisparse_ray.model.fp8 import FP8, scale_shape
+
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale_inv", nn.Parameter(
+                torch.empty(scale_shape(tuple(old.shape), block), dtype=torch.float32, device=old.device),
+                requires_grad=False))
+        self.fp8_block = block
+        return self
+
+    def _mm(self, x: Tensor, name: str, e: int) -> Tensor:
+        """``x [M, in] @ expert e's weight.T`` (``name``: "gate_up_proj" or "down_proj")."""
+        w = getattr(self, name)[e]
+        if self.fp8_block is None:
+            return F.linear(x, w)
+        from hisparse_ray.model.fp8 import fp8_matmul
+
+        return fp8_matmul(self.fp8_backend, x.contiguous(), w, getattr(self, f"{name}_scale_inv")[e])
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """``x [N, D]``, ``weights [N, k]`` fp32, ``experts [N, k]`` -> ``[N, D]`` in ``x.dtype``."""
+        if self.path == "grouped":
+            return self.forward_grouped(x, weights, experts)
+        return self.forward_reference(x, weights, experts)
+
+    def forward_reference(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             tok, slot = torch.nonzero(experts == e, as_tuple=True)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tok, slot, None]
+            gate, up = self._mm(x[tok], "gate_up_proj", e).chunk(2, dim=-1)
+            y = self._mm(F.silu(gate) * up, "down_proj", e) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    def forward_grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        N, k = experts.shape
+        if N == 0:
+            return torch.zeros_like(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert; token order kept within an expert
+        tok, slot = order // k, order % k
+        if x.is_cuda and N <= self.MASKED_MAX_TOKENS and self.fp8_backend == "kernel" and self._masked_kernel(x):
+            return self._grouped_masked(x, weights, flat, order, tok, slot)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, c in enumerate(torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()):
+            if c:
+                t, s = tok[start:start + c], slot[start:start + c]
+                gate, up = self._mm(x[t], "gate_up_proj", e).chunk(2, dim=-1)
+                y = self._mm(F.silu(gate) * up, "down_proj", e) * weights[t, s, None]
+                out.index_add_(0, t, y.to(out.dtype))
+                start += c
+        return out
+
+    def _masked_kernel(self, x: Tensor) -> bool:
+        from hisparse_ray.kernels import fp8_gemm
+
+        return x.dtype == torch.bfloat16 and fp8_gemm.supported(x.device) and (
+            self.fp8_block is not None or self.gate_up_proj.dtype == torch.bfloat16)
+
+    def _grouped_masked(self, x: Tensor, weights: Tensor, flat: Tensor, order: Tensor, tok: Tensor,
+                        slot: Tensor) -> Tensor:
+        from hisparse_ray.kernels import fp8_gemm
+
+        E, N = self.gate_up_proj.shape[0], x.shape[0]
+        ex = flat[order]
+        # no host sync (CUDA-graph capturable): bincount would read the max id back
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        pos = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[ex]
+        masked_m, expected = counts.to(torch.int32), max(1, flat.numel() // E)
+
+        def grouped(rows: Tensor, name: str) -> Tensor:  # an expert sees a token at most once: <= N rows
+            scale = getattr(self, f"{name}_scale_inv") if self.fp8_block is not None else None
+            return fp8_gemm.grouped_linear_masked(rows.contiguous(), ex, pos, masked_m, N, getattr(self, name),
+                                                  scale, expected_m=expected)
+
+        gate, up = grouped(x[tok], "gate_up_proj").chunk(2, dim=-1)
+        y = grouped(F.silu(gate) * up, "down_proj") * weights[tok, slot, None]
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok, y.to(out.dtype))
         return out
 
     def forward_rows(self, x: Tensor, weights: Tensor, experts: Tensor, rm: RowMath) -> Tensor:
@@ -113,16 +210,31 @@ class Experts(nn.Module):
         experts, weights = experts.gather(1, order), weights.gather(1, order)
         flat = experts.reshape(-1).tolist()
         xs = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
-        gu = torch.cat([rm.linear(xs[i : i + 1], self.gate_up_proj[e]) for i, e in enumerate(flat)])
+        gu = torch.cat([self._row_mm(rm, xs[i : i + 1], "gate_up_proj", e) for i, e in enumerate(flat)])
         gate, up = gu.chunk(2, dim=-1)
         h = rm.each(F.silu, gate) * up
-        y = torch.cat([rm.linear(h[i : i + 1], self.down_proj[e]) for i, e in enumerate(flat)])
+        y = torch.cat([self._row_mm(rm, h[i : i + 1], "down_proj", e) for i, e in enumerate(flat)])
         y = (y.view(N, k, -1) * weights[..., None]).to(x.dtype)
         out = torch.zeros_like(x)
         for j in range(k):
             out += y[:, j]
         return out
 
+    def _row_mm(self, rm: RowMath, x: Tensor, name: str, e: int) -> Tensor:
+        """One row's product with expert e (``forward_rows``): ``rm.linear`` for float weights; the
+        fp8 GEMM (one row in, so batch-invariant as well) for fp8 ones."""
+        if self.fp8_block is None:
+            return rm.linear(x, getattr(self, name)[e])
+        return self._mm(x, name, e)
+
+
+def set_moe_path(model: nn.Module, path: str) -> None:
+    """Pick every MoE layer's routed-expert path: ``"reference"`` (exact) or ``"grouped"`` (throughput)."""
+    if path not in ("reference", "grouped"):
+        raise ConfigError("moe_path", path, "one of 'reference', 'grouped'")
+    for mod in model.modules():
+        if isinstance(mod, Experts):
+            mod.path = path
 
 class MoE(nn.Module):
     """Shared + routed experts. ``x [..., hidden] -> [..., hidden]``."""

@@ -34,10 +34,14 @@ class RowMath:
         self.batch_invariant = bool(batch_invariant)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """``F.linear(x [N, in], weight [out, in], bias) -> [N, out]``."""
+        """``F.linear(x [N, in], weight [out, in], bias) -> [N, out]``. A weight kept fp8 by
+        :class:`~hisparse_ray.model.fp8.Fp8Linear` (tagged ``fp8_linear``) goes through its GEMM."""
+        fp8 = getattr(weight, "fp8_linear", None)
+        lin = F.linear if fp8 is None else (lambda r, _w, b: fp8.forward_no_bias(r) if b is None
+                                            else fp8.forward_no_bias(r) + b)
         if not self.batch_invariant or x.shape[0] <= 1:
-            return F.linear(x, weight, bias)
-        return torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
+            return lin(x, weight, bias)
+        return torch.cat([lin(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
 
     def each(self, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         """``fn(x [N, ...])`` for a row-local ``fn``, applied to one row at a time when batch-invariant."""

@@ -14,7 +14,8 @@ transfers (SPILL device -> host is written by rank 0 only, the one host-pool wri
 sequence, n <= H, is filled so that slot p holds position p); run the forward (the compute stream
 first waits on every copy still in flight, so a reused block or a backed-up slot is never
 overwritten early, and a host row is never read before it was written); sample (rank 0); enqueue
-the eager backups of the newest rows (rank 0), then publish the step's host writes (rank 0: the
+the eager backups of the newest rows (rank 0; on the fast path while its launched step runs,
+before its outputs are read back), then publish the step's host writes (rank 0: the
 pool's next generation, its IPC event recorded on the copy stream after them; reported in
 ``StepReport.published``). On CUDA every copy runs on the rank's copy stream, which first waits
 for the compute stream's work so far; nothing blocks the host. Acks: every transfer id is
@@ -32,6 +33,9 @@ from torch import Tensor
 
 from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.errors import ConfigError, StateError
+from hisparse_ray.fastpath.config import FastPathConfig
+from hisparse_ray.fastpath.executor import FastExecutor
+from hisparse_ray.fastpath.step import spare_rows_for
 from hisparse_ray.host.copies import CopyHandle, backup_rows, fill_rows, restore_pages, spill_pages
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.cache import IndexerKeyCache
@@ -83,10 +87,14 @@ class HiSparseWorker:
     host_wait_s: how long a peer waits for rank 0 to publish the generation a command names
     (published before rank 0 reported the step that wrote it, so a wait means a broken protocol:
     ``HostPoolError``).
+    kv_codec: the KV-cache dtype's row codec (:mod:`hisparse_ray.kernels.kvfp8`; default: rows in
+    the model's dtype); ``layout`` must use its row bytes.
+    fast: run batches through the fast decode step (:mod:`hisparse_ray.fastpath`): batched, paged
+    GPU index keys, library kernels where they run, CUDA graphs; None = the reference path.
 
     ``handles`` maps the commands' request handles to request ids (defined and released by the
-    commands); ``on_logits(rows, logits [B, V])``, when set, sees every forward's rows and logits
-    (tests, tools)."""
+    commands); ``on_logits(rows, logits [B, V])``, when set, sees every forward's rows (``Row``)
+    and logits (tests, tools)."""
 
     def __init__(
         self,
@@ -102,6 +110,8 @@ class HiSparseWorker:
         backend: str = "auto",
         batch_invariant: bool = True,
         host_wait_s: float = 60.0,
+        kv_codec: Any = None,
+        fast: FastPathConfig | None = None,
     ) -> None:
         self.model, self.cfg, self.layout, self.pool, self.rank = model, cfg, layout, pool, rank
         self.device = torch.device(device)
@@ -113,8 +123,11 @@ class HiSparseWorker:
         self.runtime = HiSparseRuntime(
             cfg, layout, num_device_blocks, host_layers, device=self.device,
             max_requests=max_requests, anchor_of=[mcfg.anchor_of(l) for l in range(L)],
-            backend=backend)
-        self.handle = HiSparseCacheHandle(self.runtime, mcfg.row_dim, model.dtype)
+            backend=backend,
+            spare_rows=0 if fast is None else spare_rows_for(num_device_blocks * layout.page_size))
+        self.handle = HiSparseCacheHandle(self.runtime, mcfg.row_dim, model.dtype, kv_codec)
+        self.fast = None if fast is None else FastExecutor(
+            model, self.runtime, self.handle.codec, fast, block_threads=cfg.swap_in_block_size)
         self.index: dict[RequestId, IndexerKeyCache] = {}
         self.samplers: dict[RequestId, _Sampler] = {}
         self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
@@ -146,7 +159,11 @@ class HiSparseWorker:
         self.samplers[rid] = _Sampler(params)
 
     def install_index_keys(self, rid: RequestId, keys: Tensor | None, capacity: int) -> None:
-        """The prefix's indexer keys ``[L, T, d]`` (dense, device-resident, model-owned)."""
+        """The prefix's indexer keys ``[L, T, d]`` (dense, device-resident, model-owned; paged in
+        the GPU pool on the fast path)."""
+        if self.fast is not None:
+            self.fast.install(rid, keys, capacity)
+            return
         mcfg = self.model.cfg
         cache = IndexerKeyCache(mcfg.num_hidden_layers, mcfg.index_head_dim, max(capacity, 1),
                                 dtype=self.model.dtype, device=self.device)
@@ -159,7 +176,7 @@ class HiSparseWorker:
         """In-process landing: write ``kv_rows [L, T, row_dim]`` of positions ``0..T-1`` into the
         admission's non-reused pages (device blocks on every rank, host blocks by rank 0)."""
         ps = self.layout.page_size
-        data = kv_rows.to(self.model.dtype).contiguous().view(torch.uint8)  # [L, T, row_bytes]
+        data = self.handle.codec.encode(kv_rows)  # [L, T, row_bytes] uint8 (the KV-cache dtype)
         T = data.shape[1]
         wrote_host = False
         for page in adm.pages:
@@ -189,6 +206,8 @@ class HiSparseWorker:
                 rt.remove(rid)
             self.index.pop(rid, None)
             self.samplers.pop(rid, None)
+            if self.fast is not None:
+                self.fast.release(rid)
         for d in cmd.handles:
             if d.handle in names:
                 raise StateError(f"step {cmd.step} defines handle {d.handle} as {d.request_id!r}; "
@@ -211,23 +230,15 @@ class HiSparseWorker:
         per_request: list[tuple[RequestId, int, int]] = []
         rows = [Row(self._name(cmd, r.handle), r.seq_len, r.input_token, r.hot_blocks)
                 for r in cmd.batch]
+        fast = self.fast is not None and self.trace is None and bool(rows)
         if rows:
             for handle in (h for _, h in self._pending):
                 handle.order_before()
-            sampled, per_request = self._forward(cmd.step, rows)
-        if cmd.backups:
-            ids = tuple(b.transfer_id for b in cmd.backups)
-            if self.writer:
-                src = [rt.device_row(self._name(cmd, b.handle), b.position) for b in cmd.backups]
-                dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
-                self._pending.append((ids, backup_rows(rt.device_kv, self.pool, src, dst,
-                                                       self.copy_stream)))
-                wrote = True
-            else:
-                self._pending.append((ids, CopyHandle()))
-            enqueued.extend(ids)
-            self.counters["backups"] += len(ids)
-        if wrote:  # one generation per step, its event after every copy of the step
+            sampled, per_request = self._forward(cmd, rows, enqueued)
+        if cmd.backups and not fast:  # the fast path enqueued them while its step ran
+            self._enqueue_backups(cmd, enqueued)
+        if wrote or (cmd.backups and self.writer):
+            # one generation per step, its event after every copy of the step
             self.pool.publish(self.copy_stream)
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
@@ -246,6 +257,22 @@ class HiSparseWorker:
         if rid is None:
             raise StateError(f"step {cmd.step} names handle {handle}, which no command defined")
         return rid
+
+    def _enqueue_backups(self, cmd: StepCommand, enqueued: list[int]) -> None:
+        """The newest rows of host-tier requests, device -> host on the copy stream (after the
+        forward that wrote them: the copy stream waits for the compute stream's work so far);
+        ``execute`` publishes them with the step's other host writes."""
+        ids = tuple(b.transfer_id for b in cmd.backups)
+        if self.writer:
+            row = self.fast.device_row if self.fast is not None else self.runtime.device_row
+            src = [row(self._name(cmd, b.handle), b.position) for b in cmd.backups]
+            dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
+            self._pending.append((ids, backup_rows(self.runtime.device_kv, self.pool, src, dst,
+                                                   self.copy_stream)))
+        else:
+            self._pending.append((ids, CopyHandle()))
+        enqueued.extend(ids)
+        self.counters["backups"] += len(ids)
 
     def _enqueue_transfers(self, cmd: StepCommand, enqueued: list[int]) -> bool:
         """Enqueue the command's page transfers; True when rank 0 wrote the host pool."""
@@ -297,7 +324,7 @@ class HiSparseWorker:
             self.index[rid] = cache = grown
         return cache
 
-    def _forward(self, step: int, batch: list[Row]):
+    def _forward(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
         rt, H = self.runtime, self.cfg.device_buffer_size
         for row in batch:
             if (row.hot_blocks is not None and rt.set_hot_blocks(row.request_id, row.hot_blocks)
@@ -308,6 +335,8 @@ class HiSparseWorker:
                     fill_rows(rt.device_kv, self.pool,
                               [rt.host_row(row.request_id, p) for p in range(n - 1)],
                               slots[: n - 1], self.copy_stream).order_before()
+        if self.fast is not None and self.trace is None:
+            return self._forward_fast(cmd, batch, enqueued)
         # Batch-invariant mode runs each row as its own batch of one: matmul results depend on the
         # batch shape (measured: torch CPU linear differs bitwise between M=1 and M=5), so only
         # this makes a request's logits independent of what else the scheduler batched with it.
@@ -318,7 +347,7 @@ class HiSparseWorker:
             caches = [self._index_cache(r.request_id, r.seq_len) for r in rows]
             rt.begin_step(rows)
             if self.trace is not None:
-                self.trace.begin_step(step, rows)
+                self.trace.begin_step(cmd.step, rows)
             ids = torch.tensor([r.input_token for r in rows], dtype=torch.int64, device=self.device)
             pos = torch.tensor([r.seq_len - 1 for r in rows], dtype=torch.int64, device=self.device)
             hook = self.trace.hook if self.trace is not None else None
@@ -337,6 +366,30 @@ class HiSparseWorker:
                 toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
             sampled = tuple((r.request_id, t) for r, t in zip(batch, toks))
         return sampled, per_request
+
+    def _forward_fast(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
+        """The batch as one fast step (greedy tokens come from the device; a row sampling with a
+        temperature reads its logits back). The step's backups are enqueued while the GPU runs
+        (the copy stream waits for the launched step, which writes the rows they copy)."""
+        launched = self.fast.launch(batch)
+        if cmd.backups:
+            self._enqueue_backups(cmd, enqueued)
+        toks, hits, misses, logits = self.fast.collect(launched)
+        if self.on_logits is not None:
+            self.on_logits(batch, logits)
+        per_request = [(r.request_id, h, m) for r, h, m in zip(batch, hits, misses)]
+        if not self.writer:
+            return (), per_request
+        host = None
+        out = []
+        for b, r in enumerate(batch):
+            sampler = self.samplers.get(r.request_id)
+            if sampler is not None and sampler.params.temperature > 0:
+                host = logits.float().cpu() if host is None else host
+                out.append((r.request_id, sampler(host[b])))
+            else:
+                out.append((r.request_id, toks[b]))
+        return tuple(out), per_request
 
     def close(self) -> None:
         self._take_completed(wait=True)

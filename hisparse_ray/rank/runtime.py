@@ -23,6 +23,7 @@ from torch import Tensor
 from hisparse_ray import kernels
 from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.errors import CapacityError, DuplicateRequestError, StateError, UnknownRequestError
+from hisparse_ray.kernels.kvfp8 import KVRowCodec, resolve_kv_dtype
 from hisparse_ray.types import NO_BLOCK, RequestId
 
 
@@ -32,8 +33,10 @@ class _RequestState:
     host_table: list[int] = field(default_factory=list)
     device_table: list[int] = field(default_factory=list)
     hot_blocks: tuple[int, ...] = ()
+    version: int = 0  # bumped on every table or hot-buffer change (the fast path's staging cache)
 
     def set_page(self, page: int, host_block: int, device_block: int) -> None:
+        self.version += 1
         for table in (self.host_table, self.device_table):
             if len(table) <= page:
                 table.extend([NO_BLOCK] * (page + 1 - len(table)))
@@ -47,6 +50,8 @@ class HiSparseRuntime:
     device_kv[l]: [num_device_blocks * page_size, row_bytes] uint8 on ``device``.
     host_layers[l]: [num_host_blocks * page_size, row_bytes] uint8 (pinned / shared host pool view).
     anchor_of[l]: the layer whose top-k layer ``l`` reuses (``anchor_of[l] == l`` for an indexer layer).
+    spare_rows: extra device rows per layer after the pool's blocks, owned by no block (the fast
+        decode step writes padded batch rows there and views a layer as whole 64-row pages).
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class HiSparseRuntime:
         max_requests: int = 64,
         anchor_of: list[int] | None = None,
         backend: str = "auto",
+        spare_rows: int = 0,
     ) -> None:
         if len(host_layers) != layout.num_layers:
             raise StateError(f"host pool has {len(host_layers)} layers, layout {layout.num_layers}")
@@ -67,7 +73,7 @@ class HiSparseRuntime:
         self.page = layout.page_size
         self.H = cfg.device_buffer_size
         self.backend = backend
-        rows = num_device_blocks * self.page
+        rows = num_device_blocks * self.page + spare_rows
         self.device_kv = [
             torch.zeros(rows, layout.bytes_per_token_layer, dtype=torch.uint8, device=self.device)
             for _ in range(layout.num_layers)
@@ -119,6 +125,7 @@ class HiSparseRuntime:
         if hot_blocks and len(hot_blocks) < need:
             raise StateError(f"hot buffer of {rid!r} has {len(hot_blocks)} blocks, needs {need}")
         st.hot_blocks = hot_blocks
+        st.version += 1
         self._reset_state(st.state_row)
         return True
 
@@ -283,22 +290,24 @@ class _StepTensors:
 
 class HiSparseCacheHandle:
     """The attention-facing cache (``AttentionKVCache``): rows are ``row_dim`` values of ``dtype``
-    stored as raw bytes in the runtime's per-layer device views."""
+    stored as bytes in the runtime's per-layer device views, encoded by ``codec`` (a
+    :class:`~hisparse_ray.kernels.kvfp8.KVRowCodec`: the KV-cache dtype, e.g. fp8 rows for a bf16
+    model; default: the model's own dtype). ``gather`` decodes (dequantizes) the resolved rows."""
 
-    def __init__(self, runtime: HiSparseRuntime, row_dim: int, dtype: torch.dtype) -> None:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if row_dim * itemsize != runtime.layout.bytes_per_token_layer:
+    def __init__(self, runtime: HiSparseRuntime, row_dim: int, dtype: torch.dtype, codec=None) -> None:
+        if codec is None:
+            codec = KVRowCodec(resolve_kv_dtype("auto", dtype), row_dim, 0)
+        if codec.row_dim != row_dim or codec.row_bytes != runtime.layout.bytes_per_token_layer:
             raise StateError(
-                f"row_dim {row_dim} x {itemsize} B != layout row bytes {runtime.layout.bytes_per_token_layer}")
-        self.runtime, self.row_dim, self.dtype = runtime, row_dim, dtype
+                f"{codec.kind} rows of {codec.row_dim} values = {codec.row_bytes} B != layout row "
+                f"bytes {runtime.layout.bytes_per_token_layer} (row_dim {row_dim})")
+        self.runtime, self.row_dim, self.dtype, self.codec = runtime, row_dim, dtype, codec
 
     def write_newest(self, layer: int, kv: Tensor) -> None:
         rows = self.runtime._step.write_rows  # type: ignore[union-attr]
-        data = kv.to(self.dtype).contiguous().view(torch.uint8).reshape(kv.shape[0], -1)
-        self.runtime.device_kv[layer][rows] = data.to(self.runtime.device)
+        self.runtime.device_kv[layer][rows] = self.codec.encode(kv).to(self.runtime.device)
 
     def gather(self, layer: int, topk: Tensor) -> Tensor:
         rows = self.runtime.resolve(layer, topk)
         safe = rows.clamp_min(0)
-        data = self.runtime.device_kv[layer][safe]  # [B, K, row_bytes]
-        return data.view(self.dtype).reshape(*rows.shape, self.row_dim)
+        return self.codec.decode(self.runtime.device_kv[layer][safe], self.dtype)  # [B, K, row_dim]

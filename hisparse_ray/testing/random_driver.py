@@ -182,6 +182,44 @@ class RandomDriver:
                 return
         raise AssertionError("drain did not converge")
 
+    def settle(self, idle_rounds: int = 3, max_rounds: int = 100_000) -> list[str]:
+        """Liveness: stop arrivals, then land every admission and deliver every ack and token
+        (no aborts) until every request is released. Every request still unfinished at the
+        start must finish on its own (``length`` or ``eos``). Returns the violations: a round
+        repeated ``idle_rounds`` times with no step, transfer or request changing while requests
+        remain is a deadlock, reported with the stuck requests' states; invariants are checked
+        after every round."""
+        c = self.coord
+        open_ids = self._ids((RequestState.WAITING, RequestState.LANDING, RequestState.RUNNING))
+        idle, last = 0, None
+        out: list[str] = []
+        for _ in range(max_rounds):
+            self.op_poll()
+            while self.landing:
+                self.op_landed(0)
+            self.op_take()
+            for rank in range(self.cfg.tp_size):
+                self.op_report(rank, flush=True)
+            out += self.check()
+            if out:
+                return out
+            live = [r for r in c.request_ids() if c.view(r).state is not RequestState.RELEASED]
+            if not live and not c.book.pending and not self.worker.due:
+                break
+            now = (c.step, len(c.book.pending), tuple(c.view(r) for r in live))
+            idle = idle + 1 if now == last else 0
+            last = now
+            if idle >= idle_rounds:
+                return [f"deadlock: {[(r, c.view(r).state.value) for r in live]} made no "
+                        f"progress; counters {c.counters}"]
+        else:
+            return [f"no end after {max_rounds} rounds; counters {c.counters}"]
+        for rid in open_ids:
+            reason = c.view(rid).finish_reason
+            if reason not in ("length", "eos"):
+                out.append(f"{rid} finished with {reason!r}, not on its own")
+        return out
+
     def check(self) -> list[str]:
         """Run every invariant; returns the violations (empty when all hold)."""
         out = list(self.worker.violations)

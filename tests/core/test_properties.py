@@ -72,6 +72,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if self.driver is not None:
             assert self.driver.check() == []
 
+    def teardown(self):
+        """Liveness after any interleaving: with no more arrivals every open request finishes
+        on its own (no admission deadlocks, whatever the pools' pressure)."""
+        if self.driver is not None:
+            assert self.driver.settle() == []
+
 
 def test_coordinator_state_machine():
     run_state_machine_as_test(CoordinatorMachine,
@@ -241,9 +247,36 @@ def test_long_random_runs():
             assert d.check() == []
         for name in totals:
             totals[name] += getattr(d.coord.counters, name)
+        if seed % 2:
+            assert d.settle() == []  # every open request finishes on its own
         d.drain()
         assert d.check() == []
         c = d.coord.counters
         assert (c.device_blocks_used, c.host_blocks_used, c.waiting, c.running) == (0, 0, 0, 0)
         assert c.host_blocks_cached == len(d.coord.host.index)  # only published pages remain
     assert all(v > 0 for v in totals.values()), totals
+
+
+def test_long_random_runs_without_a_host_tier():
+    """The full-resident baseline under a device budget (``host_tier=False``): requests lease
+    their whole life at admission, wait while it does not fit, are never spilled; every invariant
+    holds after every operation and everything drains."""
+    admitted = 0
+    for seed in range(4):
+        cfg = CoordinatorConfig(num_device_blocks=8 + seed, num_host_blocks=9, page_size=2 + seed % 2,
+                                device_buffer_size=2, tp_size=1 + seed % 2, max_batch=3,
+                                host_tier=False)
+        d = RandomDriver(cfg, seed)
+        for _ in range(1000):
+            d.random_op()
+            assert d.check() == []
+            for rid in d.coord.request_ids():
+                v = d.coord.view(rid)
+                assert v.tier.value == "resident", (rid, v.tier)
+        c = d.coord.counters
+        assert c.spills == 0 and c.conversions_to_host == 0 and c.backups == 0
+        admitted += c.admitted
+        d.drain()
+        assert d.check() == []
+        assert (d.coord.counters.device_blocks_used, d.coord.counters.host_blocks_used) == (0, 0)
+    assert admitted > 20

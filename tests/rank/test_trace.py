@@ -14,8 +14,10 @@ import torch
 
 from hisparse_ray.engine import Engine, EngineConfig
 from hisparse_ray.model.model import build_tiny_model
-from hisparse_ray.rank.trace import SCHEMA, TopkTraceRecorder, replay_hit_rate
 from hisparse_ray.rank.executor import Row
+from hisparse_ray.rank.trace import (
+    POLICIES, SCHEMA, TopkTraceRecorder, replay_hit_rate, replay_policies,
+)
 from hisparse_ray.types import RequestId
 
 H = 16  # EngineConfig's default device_buffer_size (top_k 8, page 8)
@@ -127,6 +129,7 @@ def test_hand_made_trace_literal_hits(tmp_path):
         assert r.rate == pytest.approx(hits / selected)
         assert lru_model(rows, buf) == (selected, hits)
         assert replay_hit_rate(rec.table(), buf) == r  # from the in-memory table
+        assert replay_policies(path, buf, ("topk",)) == {"topk": r}
     with pytest.raises(ValueError, match="buffer_size"):
         replay_hit_rate(table, 2)  # 3 positions per row cannot fit 2 slots
     empty = replay_hit_rate(TopkTraceRecorder().table(), 4)
@@ -188,6 +191,7 @@ def test_replay_equals_worker_hot_hits_and_is_monotone(models, kind):
     for buf in (8, 12, H, 24, 48, 96, 139):  # every row has n >= 140 > buf: same selected set
         r = at_h if buf == H else replay_hit_rate(table, buf)
         assert (r.selected, r.hits) == lru_model(rows, buf), buf
+        assert replay_policies(table, buf)["topk"] == r, buf  # the policy model is the resolver
         assert r.selected == at_h.selected
         if prev is not None:
             assert r.hits >= prev.hits, (buf, r, prev)
@@ -204,3 +208,43 @@ def test_cli_prints_table(tmp_path):
     lines = [line.split() for line in out.strip().splitlines()]
     assert lines[0] == ["buffer", "selected", "hits", "hit", "rate"]
     assert lines[1:] == [["3", "21", "10", f"{10 / 21:.3f}"], ["4", "19", "9", f"{9 / 19:.3f}"]]
+
+
+def test_replay_policies_order_hits_at_the_lru_tail():
+    """H = 4, K = 3, n = 100..103. Step 2 hits 10 and 12 (slots 0, 2) in top-k order [12, 10]
+    for request a and [10, 12] for b; step 3 evicts two of the non-hit slots oldest first, so the
+    hits' order decides whether 10 or 12 survives; step 4 asks for 12.
+    a: topk puts 10 last (most recent) -> 12 evicted -> 2 hits at step 4; old (slot order 0, 2)
+    and reverse ([10, 12]) keep 12 -> 3 hits. b: topk and old keep 12 -> 3; reverse keeps 10 -> 2.
+    Steps 1-3: 0 + 2 + 1 hits each. Totals of 24: topk 11, old 12, reverse 11."""
+    rec = TopkTraceRecorder()
+    steps = {"a": [[10, 11, 12], [12, 10, 13], [20, 21, 13], [12, 13, 20]],
+             "b": [[10, 11, 12], [10, 12, 13], [20, 21, 13], [12, 13, 20]]}
+    for t in range(4):
+        rec.begin_step(t + 1, [Row(RequestId(r), 100 + t, 0, None) for r in "ab"])
+        rec.hook(0, torch.tensor([steps["a"][t], steps["b"][t]]))
+    got = replay_policies(rec.table(), 4)
+    assert {p: (r.selected, r.hits) for p, r in got.items()} == {
+        "topk": (24, 11), "old": (24, 12), "reverse": (24, 11)}
+    assert replay_hit_rate(rec.table(), 4) == got["topk"]
+    assert {p: replay_policies(rec.table(), 4, (p,))[p].hits for p in POLICIES} == {
+        "topk": 11, "old": 12, "reverse": 11}
+    one = TopkTraceRecorder()
+    for t in range(4):
+        one.begin_step(t + 1, [Row(RequestId("a"), 100 + t, 0, None)])
+        one.hook(0, torch.tensor([steps["a"][t]]))
+    assert {p: r.hits for p, r in replay_policies(one.table(), 4).items()} == {
+        "topk": 5, "old": 6, "reverse": 6}
+    with pytest.raises(ValueError, match="unknown policies"):
+        replay_policies(rec.table(), 4, ("mru",))
+
+
+def test_cli_replays_policies(tmp_path):
+    path = hand_trace().write(tmp_path / "hand.parquet")
+    out = subprocess.run(
+        [sys.executable, "-m", "hisparse_ray.rank.trace", str(path), "--buffer", "4", "--policy", "topk",
+         "--policy", "old"], capture_output=True, text=True, timeout=120, check=True).stdout
+    lines = [line.split() for line in out.strip().splitlines()]
+    assert lines[0] == ["buffer", "policy", "selected", "hits", "hit", "rate"]
+    assert lines[1:] == [["4", "topk", "19", "9", f"{9 / 19:.3f}"],
+                         ["4", "old", "19", "9", f"{9 / 19:.3f}"]]

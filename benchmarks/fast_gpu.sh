@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The fast decode path on the H200 (device tool), one call each (logs under $OUT):
+#   bash benchmarks/fast_gpu.sh check      # gpu tests of the fast path + a 32K capacity smoke (~6 min)
+#   bash benchmarks/fast_gpu.sh capacity   # bench_capacity.py at 32K / 64K / 128K (< 9 min)
+# Carry .device-wheels/kernels (sglang-kernel 0.4.6, sgl-deep-gemm, apache-tvm-ffi).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+WHEELS=${WHEELS:-.device-wheels/kernels}
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda OMP_NUM_THREADS=8
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
+  python3 -m pip install --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -5
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, sgl_kernel.flash_mla, deep_gemm; print('torch', torch.__version__, 'flash_mla ok, deep_gemm ok')" 2>&1 | tail -2 | tee -a "$OUT/gpu.txt"
+free -g | head -2 | tee -a "$OUT/gpu.txt"
+case "${1:-check}" in
+  check)
+    timeout 330 python3 -m pytest -q -p no:cacheprovider -s -rA tests/fastpath/test_fast_gpu.py \
+      tests/kernels/test_kvfp8.py tests/engine/test_engine_gpu.py > "$OUT/tests.log" 2>&1
+    echo "pytest rc=$?"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|max \||hits |passed|failed|Error" "$OUT/tests.log" | tail -40
+    timeout 200 python3 benchmarks/bench_capacity.py --contexts 32768 --steps 3 --warm 2 \
+      --out "$OUT" > "$OUT/capacity_smoke.log" 2>&1
+    echo "bench rc=$?"
+    tail -25 "$OUT/capacity_smoke.log"
+    ;;
+  capacity)
+    timeout 520 python3 benchmarks/bench_capacity.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/capacity.log" | \
+      grep -E "^\[|^ *[0-9]+ |context|done|Error|error"
+    ;;
+esac

@@ -1,0 +1,90 @@
+"""Options of the fast decode step (pure: standard library only) and its batch-size buckets.
+
+The fast step runs a whole decode step as one batch over static device buffers (CUDA graphs per
+batch-size bucket on a GPU); see :mod:`hisparse_ray.fastpath.step`. These options are frozen and
+validated here; every bad value is a :class:`~hisparse_ray.errors.ConfigError` naming key, value
+and rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hisparse_ray.errors import ConfigError
+
+INDEX_PAGE = 64  # tokens per index-key page (the page DeepGEMM's paged logits read)
+INDEX_KEY_DTYPES = ("auto", "fp32", "bf16", "fp8")
+ATTENTION = ("auto", "flashmla", "reference")
+LOGITS = ("auto", "deepgemm", "reference")
+
+
+def _pos_int(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, value, "must be an integer >= 1")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class FastPathConfig:
+    """The fast decode step of one rank.
+
+    max_context: positions a request may reach (prompt + new tokens); the static block tables and
+        the indexer's logits row are this wide, so it bounds per-step work and memory.
+    buckets: batch sizes a graph is captured for (ascending); a step of B rows runs in the
+        smallest bucket >= B, padded rows are inert. The largest bucket is the most rows a step
+        can hold.
+    index_key_dtype: indexer keys in the GPU's paged pool: "auto" (the model's dtype), "fp32",
+        "bf16" or "fp8" (DeepSeek's e4m3 keys + one fp32 scale per token, 132 B at 128 dims).
+    attention: "flashmla" (FlashMLA's sm90 sparse kernels: bf16 activations, 512 + 64 rows, needs
+        ``sglang-kernel``), "reference" (gather + torch attention, any shape and device), or
+        "auto" (FlashMLA where it runs, else the reference).
+    logits: indexer logits by "deepgemm" (``fp8_paged_mqa_logits``: fp8 keys, 64 x 128 index
+        heads, needs ``sgl-deep-gemm``), "reference" (torch), or "auto".
+    cuda_graphs: capture one CUDA graph per bucket (CUDA only; MoE layers, which sync with the
+        host, keep the step eager).
+    index_pages: pages of the GPU index-key pool (None: every request slot of the rank can hold
+        ``max_context`` positions).
+    """
+
+    max_context: int = 4096
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    index_key_dtype: str = "auto"
+    attention: str = "auto"
+    logits: str = "auto"
+    cuda_graphs: bool = True
+    index_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        _pos_int("max_context", self.max_context)
+        b = self.buckets
+        if not isinstance(b, tuple) or not b:
+            raise ConfigError("buckets", b, "must be a non-empty tuple of batch sizes")
+        for v in b:
+            _pos_int("buckets", v)
+        if list(b) != sorted(set(b)):
+            raise ConfigError("buckets", b, "must be strictly ascending")
+        if self.index_key_dtype not in INDEX_KEY_DTYPES:
+            raise ConfigError("index_key_dtype", self.index_key_dtype, f"must be one of {INDEX_KEY_DTYPES}")
+        if self.attention not in ATTENTION:
+            raise ConfigError("attention", self.attention, f"must be one of {ATTENTION}")
+        if self.logits not in LOGITS:
+            raise ConfigError("logits", self.logits, f"must be one of {LOGITS}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError("cuda_graphs", self.cuda_graphs, "must be a bool")
+        if self.index_pages is not None:
+            _pos_int("index_pages", self.index_pages)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    @property
+    def index_pages_per_request(self) -> int:
+        return -(-self.max_context // INDEX_PAGE)
+
+    def bucket(self, batch: int) -> int:
+        """The smallest bucket holding ``batch`` rows (ConfigError past the largest)."""
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ConfigError("buckets", self.buckets, f"the largest bucket must hold a batch of {batch}")
