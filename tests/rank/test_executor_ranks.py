@@ -1,8 +1,9 @@
 """Two ranks' step executors on one shared host pool (CPU, one process): rank 0 writes the pool
 (landings, backups) and publishes one generation per step, the command carries it to the peer
 (``host_seq``), and the peer, reading the host rows rank 0 wrote in the steps before, computes
-bitwise what rank 0 computes (the model is replicated here, not sharded). The executor's checks
-of the protocol: unknown or reused handles, a generation never published."""
+bitwise what rank 0 computes (the model is replicated here, not sharded), on the reference path
+and on the fast step (which enqueues rank 0's backups while its launched step runs). The
+executor's checks of the protocol: unknown or reused handles, a generation never published."""
 
 from __future__ import annotations
 
@@ -15,18 +16,20 @@ from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.engine import EngineConfig
 from hisparse_ray.errors import HostPoolError, StateError
+from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.model import build_tiny_model
 from hisparse_ray.rank.executor import HiSparseWorker
 from hisparse_ray.types import BatchRow, RequestHandle, StepCommand
 
 PREFIX = f"hs-test-ranks-{os.getpid()}"
+PATHS = {"reference": None, "fast": FastPathConfig(max_context=128, buckets=(2, 4))}
 
 
 class TwoRanks:
     """A coordinator core at TP 2 and two executors sharing one host pool."""
 
-    def __init__(self, model, num_device_blocks: int = 7) -> None:
+    def __init__(self, model, num_device_blocks: int = 7, fast: FastPathConfig | None = None) -> None:
         cfg = EngineConfig(num_device_blocks=num_device_blocks)
         self.model, self.layout = model, cfg.layout(model.cfg, model.dtype)
         num_host = self.layout.host_blocks(cfg.hisparse.host_pool_gib)
@@ -38,7 +41,8 @@ class TwoRanks:
                                     prefix=PREFIX)
         self.peer_pool = HostPool.attach(self.pool.name, register_cuda=False)
         self.ranks = [HiSparseWorker(model, cfg.hisparse, self.layout, num_device_blocks, pool,
-                                     rank=r, max_requests=num_device_blocks + 1, host_wait_s=1.0)
+                                     rank=r, max_requests=num_device_blocks + 1, host_wait_s=1.0,
+                                     fast=fast)
                       for r, pool in enumerate((self.pool, self.peer_pool))]
         self.logits: list[dict] = [{}, {}]
         for r, w in enumerate(self.ranks):
@@ -85,11 +89,12 @@ def model():
     return build_tiny_model(0, "deepseek_v32")
 
 
-def test_the_peer_reads_rank_0s_host_rows_of_the_steps_before_bitwise(model):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_peer_reads_rank_0s_host_rows_of_the_steps_before_bitwise(model, path):
     """Host-tier requests (a 7-block device pool, prompts of 9 and 8 pages): every step rank 0 backs the newest row up and
     publishes a generation; the peer's resolver misses read those rows a step later."""
     g = torch.Generator().manual_seed(1)
-    two = TwoRanks(model)
+    two = TwoRanks(model, fast=PATHS[path])
     try:
         for i, n in enumerate((70, 60)):
             two.add(f"r{i}", torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist(),
@@ -105,11 +110,12 @@ def test_the_peer_reads_rank_0s_host_rows_of_the_steps_before_bitwise(model):
         two.close()
 
 
-def test_stale_host_rows_would_show_in_the_peers_logits(model):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_stale_host_rows_would_show_in_the_peers_logits(model, path):
     """The comparison above bites: zeroing the rows rank 0 just backed up, before the peer
     runs its next step, makes the peer's logits differ from rank 0's."""
     g = torch.Generator().manual_seed(1)
-    two = TwoRanks(model)
+    two = TwoRanks(model, fast=PATHS[path])
     last: list = []
 
     def clobber(cmd: StepCommand) -> None:  # the previous step's backups, gone stale
