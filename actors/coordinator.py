@@ -8,8 +8,14 @@ workers (NIXL; :class:`~hisparse_ray.actors.lander.Lander`, to which it is the
 
 Threads: Ray method calls (``submit``, ``wait``, ``metrics``...) run on the actor's thread pool;
 one *step thread* emits StepCommands and applies StepReports; one *lander thread* per prefill worker
-runs admissions through prefill and NIXL in FIFO order. The core is only touched under one lock and
-never while waiting on a channel, a NIXL transfer or a Ray call.
+runs admissions through prefill and NIXL in FIFO order; one *metrics thread* exports
+(:mod:`~hisparse_ray.actors.metrics`). The core is only touched under one lock and never while
+waiting on a channel, a NIXL transfer or a Ray call.
+
+Front ends: ``take_events`` is the long poll a serving front end keeps open: it returns as soon as
+a step gave one of its streams a token (or one of its requests finished), so tokens are pushed per
+decode step, not polled on a timer. A lander ends its landings through a
+:class:`~hisparse_ray.actors.replica_sink.ReplicaSink`, which the actor's handle does not expose.
 """
 
 from __future__ import annotations
@@ -21,16 +27,19 @@ from typing import TYPE_CHECKING
 import ray
 
 from hisparse_ray.actors.lander import Lander
+from hisparse_ray.actors.metrics import ReplicaMetrics, replica_snapshot
+from hisparse_ray.actors.replica_sink import ReplicaSink
 from hisparse_ray.channel.fanout import RankChannels
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.core.records import RecordBook, RequestRecord
 from hisparse_ray.deploy import ReplicaSpec
 from hisparse_ray.errors import (
-    ChannelError, DuplicateRequestError, HiSparseError, StateError, UnknownRequestError,
+    CapacityError, ChannelError, ConfigError, DuplicateRequestError, HiSparseError,
+    InvalidRequestError, StateError, UnknownRequestError,
 )
 from hisparse_ray.landing.context import LandingContext
 from hisparse_ray.landing.staging import StagingPool
-from hisparse_ray.types import Admission, RequestId, RequestState
+from hisparse_ray.types import Admission, RequestId, RequestState, SamplingParams
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -51,8 +60,8 @@ class ReplicaCoordinator:
     (``apply_landing_failed``) before the request is reported done with its typed error.
 
     Its landers see the replica through ``self.landing`` (a ``LandingContext``) and report through
-    this object's ``LandingSink`` methods (``landed``, ``landing_failed``, ``reroute``, ``fence``,
-    ``abort_requested``); nothing else of it.
+    ``self.sink`` (a ``ReplicaSink``: ``landed``, ``landing_failed``, ``reroute``, ``fence``,
+    ``abort_requested``), a plain object in this process: no handle holder can end a landing.
     """
 
     def __init__(self, spec: ReplicaSpec, ranks: list[ActorHandle[DecodeWorker]]) -> None:
@@ -64,6 +73,7 @@ class ReplicaCoordinator:
         self.cond = threading.Condition(self.lock)
         self.records = RecordBook()  # submit -> done -> taken / forgotten (see RecordBook)
         self._prompts: dict[str, list[int]] = {}
+        self._sampling: dict[str, SamplingParams] = {}
         self._route: dict[str, int] = {}
         self.channels: RankChannels | None = None  # after start()
         self._landers: list[Lander] = []
@@ -75,7 +85,16 @@ class ReplicaCoordinator:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
+        self._closing: str | None = None  # drain(): why new requests are refused
         self.hot_hits = self.hot_misses = 0
+        self.landing_bytes = 0
+        self.sink = ReplicaSink(self)
+        mcfg = spec.model.dsa_config()
+        anchors = len({mcfg.anchor_of(l) for l in range(mcfg.num_hidden_layers)})
+        # resolver misses are counted per anchor layer; a shared layer replays its anchor's copies
+        self.miss_bytes = spec.layout.bytes_per_token_layer * mcfg.num_hidden_layers / anchors
+        model_name = spec.model.kind.rstrip("/").rsplit("/", 1)[-1]  # a folder: its name
+        self.metrics = ReplicaMetrics(model_name, spec.replica_id, lambda: replica_snapshot(self))
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -87,6 +106,7 @@ class ReplicaCoordinator:
         self.channels.unlink()  # every rank mapped its rings
         self._thread = threading.Thread(target=self._step_loop, name="coordinator-steps", daemon=True)
         self._thread.start()
+        self.metrics.start()
 
     def add_prefill(self, prefill: ActorHandle[PrefillWorker], host_landing: str = "auto") -> str:
         """Exchange NIXL agent metadata between ``prefill`` and every rank (both directions) and
@@ -96,6 +116,12 @@ class ReplicaCoordinator:
         if host_landing not in ("auto", "direct", "staged"):
             raise ValueError(f"host_landing must be auto, direct or staged, got {host_landing!r}")
         agent, md = ray.get(prefill.endpoint.remote())
+        rows = ray.get(prefill.kv_row_bytes.remote())
+        if rows != self.spec.layout.bytes_per_token_layer:
+            raise ConfigError("kv_cache_dtype", self.spec.kv_cache_dtype,
+                              f"the prefill worker sends {rows} B KV rows, this replica holds "
+                              f"{self.spec.layout.bytes_per_token_layer} B rows: give both specs "
+                              f"the same kv_cache_dtype")
         for ep in self.endpoints:
             ray.get(prefill.add_peer.remote(ep.metadata))
         ray.get([r.add_peer.remote(md) for r in self.ranks])
@@ -105,7 +131,7 @@ class ReplicaCoordinator:
         if not direct and not self.endpoints[0].staging_layers:
             raise StateError("the prefill peer cannot write host memory natively and the replica "
                              "has no staging pool (staging_blocks=0)")
-        lander = Lander(self.landing, self, prefill, agent, direct=direct)
+        lander = Lander(self.landing, self.sink, prefill, agent, direct=direct)
         self._landers.append(lander)
         lander.start()
         return lander.path
@@ -117,18 +143,32 @@ class ReplicaCoordinator:
             lander.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.metrics.stop()
         if self.channels is not None:
             self.channels.close()
 
     # -- requests ------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], max_new_tokens: int,
-               eos_token_id: int | None = None, prefill: int | None = None) -> str:
+               eos_token_id: int | None = None, prefill: int | None = None, *,
+               sampling: SamplingParams | None = None, stop_token_ids: tuple[int, ...] = (),
+               stream: bool = False) -> str:
         """Admit a request (typed error for bad input); returns "landing" or "waiting".
         ``prefill``: index of the prefill worker (in ``add_prefill`` order) that lands it; None =
-        round robin."""
+        round robin. ``sampling``: how rank 0 samples it (None: greedy). ``stop_token_ids``:
+        sampling one of them finishes it (finish reason "stop"; the token is kept, as an
+        ``eos_token_id`` is). ``stream``: hand its tokens to ``take_events`` after every step."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(request_id, f"sampling={sampling!r} must be a "
+                                                  f"SamplingParams")
+        stops = frozenset(stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
+            raise InvalidRequestError(request_id, f"stop_token_ids={stop_token_ids!r} must be "
+                                                  f"ints >= 0")
         with self.lock:
             if self._fatal is not None:
                 raise StateError(f"replica failed: {self._fatal!r}")
+            if self._closing is not None:
+                raise StateError(self._closing)
             if not self._landers:
                 raise StateError("no prefill worker connected (add_prefill first)")
             if prefill is not None and not 0 <= prefill < len(self._landers):
@@ -138,12 +178,20 @@ class ReplicaCoordinator:
                                  f"retired: {self._landers[prefill].retired!r}")
             if all(lander.retired is not None for lander in self._landers):
                 raise StateError("every prefill worker of this replica was retired")
-            rec = RequestRecord(request_id, len(prompt), max_new_tokens, time.monotonic())
+            rec = RequestRecord(request_id, len(prompt), max_new_tokens, time.monotonic(),
+                                stream=bool(stream), stop_ids=stops)
             if not self.records.is_new(request_id):  # held, or dropped not long ago
                 raise DuplicateRequestError(request_id)
+            fast = self.spec.fast_path  # the ranks' static tables hold max_context positions
+            if fast is not None and len(prompt) + max_new_tokens > fast.max_context:
+                raise CapacityError(f"positions of request {request_id!r} (fast_path.max_context)",
+                                    len(prompt) + max_new_tokens, fast.max_context)
             adm = self.core.admit(RequestId(request_id), list(prompt), max_new_tokens, eos_token_id)
             self.records.add(rec)
+            self.metrics.submitted(len(prompt))
             self._prompts[request_id] = list(prompt)
+            if sampling is not None and not sampling.greedy:
+                self._sampling[request_id] = sampling
             if prefill is not None:
                 self._route[request_id] = prefill
             if adm is not None:
@@ -165,60 +213,16 @@ class ReplicaCoordinator:
                 return
             index = live[self._next_lander % len(live)]
             self._next_lander += 1
-        self._landers[index].enqueue(adm, self._prompts[adm.request_id], rec.max_new_tokens)
-
-    def reroute(self, adm: Admission) -> None:
-        """Lander: it was retired with ``adm`` still queued; hand it to a live lander (or fail
-        it when none is left)."""
-        with self.cond:
-            self._dispatch(adm)
-            self.cond.notify_all()
-        self._wake.set()
-
-    def landed(self, request_id: str, nbytes: int, seconds: float, data_s: float,
-               path: str) -> None:
-        """Lander callback: the request's KV and index keys are on every rank; it may decode."""
-        with self.cond:
-            rec = self.records[request_id]
-            self.core.apply_landed(RequestId(request_id))
-            rec.landed = time.monotonic()
-            rec.landing_bytes, rec.landing_s, rec.landing_path = nbytes, seconds, path
-            rec.landing_data_s = data_s
-            if rec.abort_requested:  # aborted while landing: finish it before any step
-                self.core.finish(RequestId(request_id))
-                self._collect(request_id)
-                for r in self.ranks:  # no step ever named it: drop its keys on the ranks
-                    r.drop_landing.remote(request_id)
-                self.cond.notify_all()
-        self._wake.set()
-
-    def landing_failed(self, request_id: str, error: BaseException | None) -> None:
-        """Lander callback: the landing failed after its retries; release every lease now."""
-        with self.cond:
-            self._landing_failed_locked(request_id, error)
-        self._wake.set()
+        self._landers[index].enqueue(adm, self._prompts[adm.request_id], rec.max_new_tokens,
+                                     self._sampling.get(adm.request_id))
 
     def _landing_failed_locked(self, request_id: str, error: BaseException | None) -> None:
         rec = self.records[request_id]
         self.core.apply_landing_failed(RequestId(request_id))
-        rec.error = None if rec.abort_requested else error
+        if not rec.abort_requested:  # aborted: no error (drained: the drain's error stays)
+            rec.error = error
         self._collect(request_id)
         self.cond.notify_all()
-
-    def fence(self, error: BaseException) -> None:
-        """Lander: a landing's calls outlived every deadline, so memory its request held may
-        still be written by a stalled peer. Stop the replica: no more steps or admissions, every
-        waiter gets ``StateError("replica failed: ...")`` naming ``error``."""
-        with self.cond:
-            if self._fatal is None:
-                self._fatal = error
-            self.cond.notify_all()
-        self._wake.set()
-
-    def abort_requested(self, request_id: str) -> bool:
-        """Lander: whether to skip this landing (the request was aborted while queued)."""
-        with self.lock:
-            return self.records[request_id].abort_requested
 
     def abort(self, request_id: str, discard: bool = False) -> list[int]:
         """Finish a request now (any state before done); its leases are released as soon as
@@ -308,28 +312,53 @@ class ReplicaCoordinator:
         with self.cond:
             return self.records.forget(list(request_ids))
 
-    def partial_tokens(self, seen: dict[str, int]) -> dict[str, list[int]]:
-        """For streaming front ends: the tokens each request generated after the first
-        ``seen[rid]``, for those that generated more (requests not decoding yet, done, or
-        unknown are left out: a done request's tokens come whole from ``take_done``)."""
-        out: dict[str, list[int]] = {}
-        with self.lock:
-            for rid, n in seen.items():
-                rec = self.records.get(rid)
-                if rec is None or rec.done or rec.landed is None:
-                    continue
-                try:
-                    new = self.core.generated(RequestId(rid), n)
-                except UnknownRequestError:
-                    continue
-                if new:
-                    out[rid] = list(new)
-        return out
+    def take_events(self, prefix: str, timeout: float | None = None, limit: int = 4096
+                    ) -> tuple[dict[str, list[int]], list[tuple[dict, BaseException | None]]]:
+        """A front end's long poll: wait until a stream whose id starts with ``prefix`` has new
+        tokens or a request of it is done (or ``timeout`` s), then return (the new tokens of each
+        such stream since its last take, the done requests as ``take_done`` hands them over: at
+        most ``limit``, records dropped). It returns right after the step that produced them: the
+        step thread wakes it, so a stream's tokens arrive per decode step, not per poll period.
+        ``StateError`` once the replica failed."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        with self.cond:
+            self.cond.wait_for(lambda: self.records.has_fresh(prefix)
+                               or self.records.ready(None, prefix) or self._fatal is not None,
+                               timeout)
+            if self._fatal is not None:
+                raise StateError(f"replica failed: {self._fatal!r}")
+            fresh = self.records.take_fresh(prefix)
+            return fresh, [(rec.summary(), rec.error)
+                           for rec in self.records.take(None, prefix, limit)]
+
+    def drain(self, reason: str = "server is shutting down") -> int:
+        """Refuse new requests with ``StateError(reason)`` and end every request in flight with
+        that error (its blocks are released as ``abort`` releases them), so a front end that is
+        stopping answers its clients (HTTP 503) instead of cutting them off. Returns how many
+        were in flight. Idempotent."""
+        with self.cond:
+            self._closing = reason
+            live = [rid for rid, rec in self.records.items() if not rec.done]
+            for rid in live:
+                self.records[rid].error = StateError(reason)
+        for rid in live:
+            try:
+                self.abort(rid)
+            except UnknownRequestError:  # taken meanwhile
+                pass
+        return len(live)
 
     def failure(self) -> str | None:
-        """Why the replica stopped (fenced, a rank lost), or None while it serves."""
+        """Why the replica cannot serve (fenced, a rank lost, every prefill worker retired), or
+        None while it serves. Serve's health check asks it (a failed replica is replaced)."""
         with self.lock:
-            return repr(self._fatal) if self._fatal is not None else None
+            if self._fatal is not None:
+                return repr(self._fatal)
+            if self._landers and all(lander.retired is not None for lander in self._landers):
+                return (f"every prefill worker of this replica was retired: "
+                        f"{[repr(lander.retired) for lander in self._landers]}")
+            return None
 
     def progress(self) -> dict[str, tuple[int, int, bool]]:
         """request id -> (generated so far, max_new_tokens, done)."""
@@ -351,7 +380,10 @@ class ReplicaCoordinator:
             c = self.core.counters
             self.core.check_invariants()
         looked = self.hot_hits + self.hot_misses
-        steps = sorted(dt for _, dt in self.channels.log) if self.channels is not None else []
+        # list(deque) copies in C, atomically under the GIL; iterating it here in Python while the
+        # step thread appends raised "deque mutated during iteration" (the serve tests' flake)
+        steps = sorted(dt for _, dt in list(self.channels.log)) if self.channels is not None \
+            else []
         return {
             "counters": {k: getattr(c, k) for k in c.__slots__},
             "hot_hits": self.hot_hits, "hot_misses": self.hot_misses,
@@ -371,6 +403,7 @@ class ReplicaCoordinator:
             "staging_free_blocks": self.staging.num_free if self.staging else 0,
             "records": len(self.records),  # requests known: in flight, or done and not taken
             "in_flight": self.records.in_flight,
+            "prometheus": replica_snapshot(self),  # what ReplicaMetrics exports
         }
 
     def get_step_log(self) -> list[tuple[int, float]]:
@@ -381,7 +414,7 @@ class ReplicaCoordinator:
         """(request id, prefill done, first chunk issued, every call ended) ``perf_counter``
         stamps of the recent landings of every lander (benchmarks; see ``DecodeWorker`` and
         ``PrefillWorker.get_landing_trace``)."""
-        return [t for lander in self._landers for t in lander.trace]
+        return [t for lander in self._landers for t in list(lander.trace)]  # copy: see metrics
 
     def get_step_trace(self) -> list[tuple]:
         """(step, start, command sent, report found per rank, loaded per rank)
@@ -425,8 +458,20 @@ class ReplicaCoordinator:
             raise
 
     def _account(self, report) -> None:
-        """(lock held) Hot-buffer counters and finished requests after a step (rank 0's report:
-        it samples a token for every row of the batch)."""
+        """(lock held) After a step, from rank 0's report (a token per batch row): each request's
+        new token (streams, latencies, stop ids), hot-buffer counters, finished requests."""
+        now = time.monotonic()
+        for rid, tok in report.sampled:
+            rec = self.records.get(rid)
+            if rec is None or rec.done:
+                continue
+            first = rec.first_token is None
+            self.metrics.token(first, rec.add_token(tok, now))
+            self.records.token_added(rid)
+            if tok in rec.stop_ids and not rec.abort_requested and \
+                    self.core.view(RequestId(rid)).state is RequestState.RUNNING:
+                rec.stopped = True
+                self.core.finish(RequestId(rid))
         self.hot_hits += report.hot_hits
         self.hot_misses += report.hot_misses
         per_request = getattr(report, "hits_by_request", ())
@@ -450,8 +495,11 @@ class ReplicaCoordinator:
             return
         view = self.core.view(RequestId(rid))
         rec.tokens = view.tokens[view.prompt_len:]
-        rec.finish_reason = "abort" if rec.abort_requested else view.finish_reason
+        rec.finish_reason = "abort" if rec.abort_requested else \
+            "stop" if rec.stopped else view.finish_reason
         rec.finished = time.monotonic()
+        self.metrics.finished(rec.finished - rec.submitted, rec.finish_reason)
+        self._sampling.pop(rid, None)
         self.core.free(RequestId(rid))
         self._prompts.pop(rid, None)
         self.records.finished(rid)

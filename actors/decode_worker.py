@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from hisparse_ray.rank.executor import HiSparseWorker
 
 POLL_S = 0.2  # the step thread re-checks its stop flag this often while idle
+HOT_COUNTS_EVERY = 16  # on a GPU rank 0 reads its hot-buffer counters every 16 steps (no per-step sync)
 
 
 class DecodeWorker:
@@ -107,14 +108,24 @@ class DecodeWorker:
         if self.rank != 0:
             raise StateError("only rank 0 creates the host pool")
         self.pool = HostPool.create(self.spec.replica_id, self.spec.layout, self.spec.num_host_blocks,
-                                    register_cuda=self.spec.use_cuda)
+                                    register_cuda=self.spec.use_cuda,
+                                    shm_dir=self.spec.host_pool_dir)
         return self.pool.name
 
     def attach_host_pool(self, name: str) -> None:
-        self.pool = HostPool.attach(name, register_cuda=self.spec.use_cuda)
+        self.pool = HostPool.attach(name, register_cuda=self.spec.use_cuda,
+                                    shm_dir=self.spec.host_pool_dir)
+
+    def unlink_host_pool(self) -> None:
+        """Rank 0, once every peer attached: the segment's name goes, the mappings stay, so no
+        way this replica ends (SIGKILL of any rank included) leaves it in ``host_pool_dir``."""
+        if self.rank != 0 or self.pool is None:
+            raise StateError("only rank 0 unlinks the host pool, after creating it")
+        self.pool.unlink()
 
     def build(self) -> RankEndpoint:
         """Model shard, runtime + step executor, NIXL regions; returns this rank's endpoint."""
+        from hisparse_ray.kernels.kvfp8 import row_codec
         from hisparse_ray.rank.executor import HiSparseWorker
 
         if self.pool is None:
@@ -125,7 +136,9 @@ class DecodeWorker:
         self.executor = HiSparseWorker(
             model, spec.hisparse, spec.layout, spec.num_device_blocks, self.pool, rank=self.rank,
             device=spec.device, max_requests=max(spec.num_device_blocks, spec.max_batch) + 1,
-            host_wait_s=spec.step_timeout_s)
+            host_wait_s=spec.step_timeout_s,
+            kv_codec=row_codec(spec.kv_cache_dtype, model.cfg, model.dtype), fast=spec.fast_path,
+            hot_counts_every=HOT_COUNTS_EVERY if spec.use_cuda else 1)
         self.engine = self._engine or NixlTransferEngine(
             f"decode-{spec.replica_id}-r{self.rank}-{os.getpid()}")
         dev = [self.engine.register(f"dev.{l}", t)

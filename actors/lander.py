@@ -53,7 +53,7 @@ from hisparse_ray.errors import HiSparseError, TransferError, TransferTimeoutErr
 from hisparse_ray.landing.context import LandingContext, LandingSink
 from hisparse_ray.landing.plan import chunk_pages, page_positions, plan_chunk
 from hisparse_ray.landing.staging import StagingPool, lease_run
-from hisparse_ray.types import Admission, LandingOrder, LandingTarget, pack
+from hisparse_ray.types import Admission, LandingOrder, LandingTarget, SamplingParams, pack
 
 PREFILL_TIMEOUT_S = 600.0  # one prompt through the prefill model
 CALL_TIMEOUT_S = 120.0  # cleanup calls of a failed landing
@@ -99,17 +99,18 @@ class Lander:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
-    def enqueue(self, adm: Admission, prompt: list[int], max_new_tokens: int) -> None:
+    def enqueue(self, adm: Admission, prompt: list[int], max_new_tokens: int,
+                sampling: SamplingParams | None = None) -> None:
         """Land ``adm`` after the ones queued before it; its key caches get room for the prompt
-        and ``max_new_tokens``."""
-        self._queue.put((adm, prompt, max_new_tokens))
+        and ``max_new_tokens``; rank 0 samples it by ``sampling`` (None: greedy)."""
+        self._queue.put((adm, prompt, max_new_tokens, sampling))
 
     def _run(self) -> None:
         while not self._stop.is_set():
             item = self._queue.get()
             if item is None:
                 return
-            adm, prompt, max_new_tokens = item
+            adm, prompt, max_new_tokens, sampling = item
             rid = adm.request_id
             if self.retired is not None:  # queued before the retirement: another lander lands it
                 self.sink.reroute(adm)
@@ -118,7 +119,7 @@ class Lander:
                 self.sink.landing_failed(rid, None)
                 continue
             try:
-                nbytes, seconds, data_s, path = self.land(adm, prompt, max_new_tokens)
+                nbytes, seconds, data_s, path = self.land(adm, prompt, max_new_tokens, sampling)
             except Exception as err:  # any failure ends this request, never the lander
                 self._cleanup(rid)
                 if isinstance(err, ray.exceptions.ActorDiedError) and self._prefill_died():
@@ -143,8 +144,8 @@ class Lander:
             pass
 
     # -- one request -------------------------------------------------------------------------------
-    def land(self, adm: Admission, prompt: list[int], max_new_tokens: int
-             ) -> tuple[int, float, float, str]:
+    def land(self, adm: Admission, prompt: list[int], max_new_tokens: int,
+             sampling: SamplingParams | None = None) -> tuple[int, float, float, str]:
         """Prefill, push and install one admission; returns (bytes moved, seconds end to end
         after prefill, seconds of data movement (sum over chunks of the NIXL WRITEs and the
         staging copies; chunks overlap, so this may exceed the end-to-end time), path)."""
@@ -156,7 +157,7 @@ class Lander:
                  for p in adm.pages if not p.reused and page_positions(p.page, P, T)[1] > 0}
         keys_nixl = self.ctx.keys_by_write
         staged = path == "staged" or keys_nixl  # chunks lease staging runs
-        capacity = len(prompt) + max_new_tokens + 1
+        capacity = len(prompt) + max_new_tokens  # key positions it can reach, + 1 spare
         pages = list(range(-(-T // P))) if keys_nixl else sorted(block)
         parts = chunk_pages(pages, self.staging.capacity, IN_FLIGHT) if staged \
             else [tuple(pages)]
@@ -167,7 +168,8 @@ class Lander:
                 else self.staging.acquire_run(len(parts[0]))  # nothing in flight: may wait
             if run is not None:
                 self.pushes_with_prefill += 1
-                return self._land_with_prefill(adm, prompt, path, block, parts[0], run, capacity)
+                return self._land_with_prefill(adm, prompt, path, block, parts[0], run, capacity,
+                                               sampling)
         result = ray.get(self.prefill.prefill.remote(rid, list(prompt[:T]), not keys_nixl),
                          timeout=PREFILL_TIMEOUT_S)
         t0 = time.perf_counter()
@@ -180,7 +182,8 @@ class Lander:
                     if staged and part else ()
                 try:
                     refs = self._issue(adm, path, block, part, blocks, i, i == len(parts) - 1,
-                                       capacity, None if keys_nixl else result.index_keys)
+                                       capacity, None if keys_nixl else result.index_keys,
+                                       sampling=sampling)
                 except BaseException:
                     if blocks:
                         self.staging.release(blocks)
@@ -200,7 +203,8 @@ class Lander:
         return self._moved, t_end - t0, self._data_s, path
 
     def _land_with_prefill(self, adm: Admission, prompt: list[int], path: str,
-                           block: dict[int, int], part: tuple, blocks: tuple, capacity: int
+                           block: dict[int, int], part: tuple, blocks: tuple, capacity: int,
+                           sampling: SamplingParams | None = None
                            ) -> tuple[int, float, float, str]:
         """``ReplicaSpec.landing_push_with_prefill``, one chunk with keys by NIXL, its staging
         run ``blocks`` leased BEFORE prefill: plan the WRITEs, then one ``prefill_and_push`` call
@@ -214,7 +218,8 @@ class Lander:
         t_issued = time.perf_counter()
         try:
             refs = self._issue(adm, path, block, part, blocks, 0, True, capacity, None,
-                               prefill_tokens=list(prompt[:adm.num_positions]))
+                               prefill_tokens=list(prompt[:adm.num_positions]),
+                               sampling=sampling)
         except BaseException:
             self.staging.release(blocks)
             raise
@@ -236,7 +241,8 @@ class Lander:
 
     def _issue(self, adm: Admission, path: str, block: dict[int, int], part: tuple,
                blocks: tuple, i: int, last: bool, capacity: int, index_keys,
-               prefill_tokens: list[int] | None = None) -> list:
+               prefill_tokens: list[int] | None = None,
+               sampling: SamplingParams | None = None) -> list:
         """Start chunk ``i``: pages ``part`` (``block[page]``: the target block of each page to
         push; pages missing from it are reused and get only their keys), staging run ``blocks``
         (page ``part[j]`` -> ``blocks[j]``) or (). Issues one push (if anything is written) and
@@ -250,7 +256,8 @@ class Lander:
             wait_s += PREFILL_TIMEOUT_S
         dests, steps = plan_chunk(
             rid, adm.num_positions, P, path, block, part, blocks, i, last, capacity,
-            self.ctx.endpoints, timeout_s=wait_s, layer_groups=spec.landing_layer_groups)
+            self.ctx.endpoints, timeout_s=wait_s, layer_groups=spec.landing_layer_groups,
+            sampling=sampling)
         refs: list = [None]
         if dests:
             order = LandingOrder(rid, tuple(dests), attempts=spec.landing_attempts,

@@ -7,7 +7,8 @@ CUDA IPC; prefill workers may sit on any node. Start-up of a replica, in order:
 
 1. placement group ready; ranks created (bundle i+1 = rank i; bundle 0 = the coordinator);
 2. rank 0 picks the TP rendezvous (its node IP + a free port), every rank joins the group;
-3. rank 0 creates the shared host pool, peers attach it;
+3. rank 0 creates the shared host pool, peers attach it, rank 0 unlinks its name (the mappings
+   keep it; no exit path can leave it behind in ``host_pool_dir``);
 4. every rank builds its model shard, runtime and NIXL agent (regions registered, then metadata);
 5. the coordinator is created with the ranks' endpoints and opens one channel pair per rank;
 6. prefill workers are connected: agent metadata exchanged through the coordinator.
@@ -50,9 +51,12 @@ def _remote(cls: type, **options: Any):
     return ray.remote(**options)(cls)
 
 
-def coordinator_options(spec: ReplicaSpec, pg: PlacementGroup | None) -> dict[str, Any]:
+def coordinator_options(spec: ReplicaSpec, pg: PlacementGroup | None,
+                        name: str | None = None) -> dict[str, Any]:
     opts: dict[str, Any] = dict(num_cpus=COORDINATOR_CPUS, num_gpus=0,
                                 max_concurrency=COORDINATOR_CONCURRENCY, max_restarts=0)
+    if name is not None:  # a named actor (Serve: the CLI drains it by name before stopping)
+        opts["name"] = name
     if pg is not None:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=0)
@@ -153,6 +157,7 @@ def start_ranks(spec: ReplicaSpec, pg: PlacementGroup | None, *, build: bool = T
         ray.get([r.join_tp.remote(rdv) for r in ranks])
         pool_name = ray.get(ranks[0].create_host_pool.remote())
         ray.get([r.attach_host_pool.remote(pool_name) for r in ranks[1:]])
+        ray.get(ranks[0].unlink_host_pool.remote())  # every rank mapped it: the name may go
         if build:
             ray.get([r.build.remote() for r in ranks])
     except BaseException:
@@ -171,8 +176,10 @@ def _kill(actors: list[ActorHandle]) -> None:
         ray.kill(a, no_restart=True)
 
 
-def launch_replica(spec: ReplicaSpec, resources: dict[str, float] | None = None) -> Replica:
-    """Start one decode replica (steps 1-5). ``resources`` pins it to nodes offering them."""
+def launch_replica(spec: ReplicaSpec, resources: dict[str, float] | None = None,
+                   coordinator_name: str | None = None) -> Replica:
+    """Start one decode replica (steps 1-5). ``resources`` pins it to nodes offering them;
+    ``coordinator_name`` names its coordinator actor."""
     from hisparse_ray.actors.coordinator import ReplicaCoordinator
 
     pg = replica_placement_group(spec, resources)
@@ -182,7 +189,8 @@ def launch_replica(spec: ReplicaSpec, resources: dict[str, float] | None = None)
         remove_placement_group(pg)
         raise
     try:
-        coord = _remote(ReplicaCoordinator, **coordinator_options(spec, pg)).remote(spec, ranks)
+        coord = _remote(ReplicaCoordinator, **coordinator_options(
+            spec, pg, coordinator_name)).remote(spec, ranks)
         ray.get(coord.start.remote())
     except BaseException:
         _kill(ranks)
@@ -213,7 +221,8 @@ def connect(replica: Replica, prefill: ActorHandle[PrefillWorker], host_landing:
 
 def launch_deployment(replica: ReplicaSpec, prefill: PrefillSpec, *,
                       decode_resources: dict[str, float] | None = None,
-                      prefill_resources: dict[str, float] | None = None) -> Replica:
+                      prefill_resources: dict[str, float] | None = None,
+                      coordinator_name: str | None = None) -> Replica:
     """One prefill worker + one decode replica, connected: the demo's deployment. The resource
     dicts pin either side to nodes offering them (multi-node tests use custom node resources)."""
     from hisparse_ray.actors.prefill_worker import PrefillWorker
@@ -221,7 +230,8 @@ def launch_deployment(replica: ReplicaSpec, prefill: PrefillSpec, *,
     # the prefill worker starts while the replica forms (actor start-up costs seconds each)
     pf = _remote(PrefillWorker, **prefill_options(prefill, None, prefill_resources)).remote(prefill)
     try:
-        rep = launch_replica(replica, resources=decode_resources)
+        rep = launch_replica(replica, resources=decode_resources,
+                             coordinator_name=coordinator_name)
     except BaseException:
         ray.kill(pf, no_restart=True)
         raise

@@ -13,6 +13,7 @@ import torch
 
 from hisparse_ray.deploy import PrefillSpec
 from hisparse_ray.errors import CapacityError, StateError
+from hisparse_ray.kernels.kvfp8 import row_codec
 from hisparse_ray.landing.plan import group_notif
 from hisparse_ray.landing.segments import split_by_memory_kind, write_groups
 from hisparse_ray.transfer import (
@@ -28,7 +29,8 @@ KEYS_REGION = "send.keys"
 class PrefillWorker:
     """One prefill process with one NIXL agent.
 
-    Send buffers: ``[L, max_prompt_tokens, row_bytes]`` uint8 (KV rows) and ``[L, max_prompt_tokens,
+    Send buffers: ``[L, max_prompt_tokens, row_bytes]`` uint8 (KV rows encoded in the spec's
+    ``kv_cache_dtype``, the bytes the replica's pools hold) and ``[L, max_prompt_tokens,
     key_row_bytes]`` uint8 (indexer keys, model dtype) on the worker's device, registered once.
     They hold one prefilled request at a time: ``prefill(rid, tokens)`` fills it, ``push(order)`` (one
     or more times, e.g. chunk by chunk through a staging pool) WRITEs pages of it, ``drop(rid)`` frees
@@ -43,7 +45,9 @@ class PrefillWorker:
         self.model = spec.model.build(spec.device)
         cfg = self.model.cfg
         itemsize = torch.empty((), dtype=self.model.dtype).element_size()
-        self.row_bytes = cfg.row_dim * itemsize
+        # KV rows leave in the replica's KV-cache dtype (kernels/kvfp8.py): fp8 656 B rows when asked
+        self.codec = row_codec(spec.kv_cache_dtype, cfg, self.model.dtype)
+        self.row_bytes = self.codec.row_bytes
         self.num_layers = cfg.num_hidden_layers
         self.key_row_bytes = cfg.index_head_dim * itemsize
         self.page_bytes_stride = spec.max_prompt_tokens * self.row_bytes
@@ -72,6 +76,10 @@ class PrefillWorker:
         import ray
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def kv_row_bytes(self) -> int:
+        """Bytes of one KV row this worker sends (its ``kv_cache_dtype``)."""
+        return self.row_bytes
 
     def endpoint(self) -> tuple[str, bytes]:
         """(agent name, agent metadata), taken after the send buffer was registered."""
@@ -107,8 +115,8 @@ class PrefillWorker:
                 else:
                     ids = torch.tensor(tokens, dtype=torch.int64, device=self.spec.device)
                     _, rows, keys = self.model.prefill(ids, batch_invariant=self.spec.batch_invariant)
-                    self.send[:, :T] = rows.contiguous().view(torch.uint8).reshape(
-                        self.num_layers, T, self.row_bytes)
+                    for layer in range(self.num_layers):  # one layer's encoding temporaries at a time
+                        self.send[layer, :T] = self.codec.encode(rows[layer])
                     self.send_keys[:, :T] = keys.contiguous().view(torch.uint8).reshape(
                         self.num_layers, T, self.key_row_bytes)
                 if self.send.is_cuda:  # NIXL reads the buffers outside torch's stream order
@@ -154,7 +162,7 @@ class PrefillWorker:
         keys = torch.empty(self.num_layers, T, cfg.index_head_dim, dtype=dtype, device=dev)
         for layer in range(self.num_layers):
             rows = torch.randn(T, cfg.row_dim, generator=gen, device=dev).to(dtype)
-            self.send[layer, :T] = rows.view(torch.uint8).reshape(T, self.row_bytes)
+            self.send[layer, :T] = self.codec.encode(rows)
             keys[layer] = torch.randn(T, cfg.index_head_dim, generator=gen, device=dev).to(dtype)
             self.send_keys[layer, :T] = keys[layer].view(torch.uint8).reshape(
                 T, self.key_row_bytes)

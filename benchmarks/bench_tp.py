@@ -65,10 +65,17 @@ def profile_summary(path: str, top: int = 10) -> list[tuple[float, str]]:
 LAYOUTS = {"tp1": (1, 0.8), "tp2-one-gpu": (2, 0.4), "tp2-gpu-each": (2, 0.8)}
 
 
-def shm_segments(replica_id: str) -> list[tuple[str, int]]:
-    pre = f"hisparse-pool.{replica_id}."
-    return [(n, os.stat(f"/dev/shm/{n}").st_size) for n in os.listdir("/dev/shm")
-            if n.startswith(pre)]
+def shm_segments(replica_id: str, pids: list[int]) -> list[tuple[str, int]]:
+    """(name, bytes) of the host pool segments the ranks map (their names leave /dev/shm once
+    every rank attached, so the ranks' /proc/<pid>/maps are where they show)."""
+    from hisparse_ray.host.segment import mapped_segments
+
+    pre, seen = f"hisparse-pool.{replica_id}.", {}
+    for pid in pids:
+        for n, b in mapped_segments(pid).items():
+            if n.startswith(pre):
+                seen[n] = max(seen.get(n, 0), b)
+    return sorted(seen.items())
 
 
 def run_layout(name: str, model: ModelSpec, args, gpu: bool, requests) -> dict:
@@ -83,7 +90,7 @@ def run_layout(name: str, model: ModelSpec, args, gpu: bool, requests) -> dict:
     rep = launch.launch_replica(spec)
     try:
         infos = ray.get([r.node_info.remote() for r in rep.ranks])
-        segs = shm_segments(rid)
+        segs = shm_segments(rid, [i["pid"] for i in infos])
         pf = launch.launch_prefill(PrefillSpec(model=model, gpus=0.2 if gpu else 0.0,
                                                max_prompt_tokens=args.context + 8, name=rid,
                                                batch_invariant=False))

@@ -2,6 +2,8 @@
 # The fast decode path on the H200 (device tool), one call each (logs under $OUT):
 #   bash benchmarks/fast_gpu.sh check      # gpu tests of the fast path + a 32K capacity smoke (~6 min)
 #   bash benchmarks/fast_gpu.sh capacity   # bench_capacity.py at 32K / 64K / 128K (< 9 min)
+#   bash benchmarks/fast_gpu.sh actors     # the actor system on the fast step, MoE graphs,
+#                                          # select_topk_fast on CUDA + bench_topk (~6-9 min)
 # Carry .device-wheels/kernels (sglang-kernel 0.4.6, sgl-deep-gemm, apache-tvm-ffi).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -24,6 +26,17 @@ case "${1:-check}" in
       --out "$OUT" > "$OUT/capacity_smoke.log" 2>&1
     echo "bench rc=$?"
     tail -25 "$OUT/capacity_smoke.log"
+    ;;
+  actors)
+    timeout 380 python3 -m pytest -q -p no:cacheprovider -s -rA --durations=0 \
+      tests/e2e/test_fast_actors_gpu.py > "$OUT/actors.log" 2>&1
+    echo "actor pytest rc=$?"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|fast_steps|passed|failed|Error" "$OUT/actors.log" | tail -30
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -s -rA -m gpu --durations=0 \
+      tests/fastpath/test_topk.py tests/fastpath/test_moe_fast.py > "$OUT/moe_topk.log" 2>&1
+    echo "moe/topk pytest rc=$?"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|MoE|passed|failed|Error" "$OUT/moe_topk.log" | tail -20
+    timeout 50 python3 benchmarks/bench_topk.py --repeats 5 --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log"
     ;;
   capacity)
     timeout 520 python3 benchmarks/bench_capacity.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/capacity.log" | \

@@ -1,11 +1,14 @@
 """Prefill -> decode with HiSparse offload on a local Ray cluster, checked against full-resident
-decode. Runs on CPU (tiny built-in model) in about a minute: ``python examples/prefill_decode_offload.py``.
+decode. Runs on CPU (tiny built-in model) in about a minute: ``python examples/prefill_decode_offload.py``;
+on a running cluster: ``ray job submit --address http://HEAD:8265 -- python
+examples/prefill_decode_offload.py`` (it attaches through ``RAY_ADDRESS``, which the job sets).
 
 One prefill worker pushes each prompt's KV with NIXL into a decode replica (coordinator + 2 TP
 ranks); long prompts land in the host pool and decode through a 16-slot hot buffer, short ones land
 on resident device pages. The example ends in an equality check.
 """
 
+import os
 import random
 
 import ray
@@ -23,8 +26,10 @@ def main(max_new_tokens: int = 8) -> None:
                "short": [rng.randrange(1, 96) for _ in range(10)]}
 
     started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if started:  # attach to the cluster a job was submitted to, else start a local one
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", num_cpus=None if
+                 os.environ.get("RAY_ADDRESS") else 4, include_dashboard=False, log_to_driver=False)
+    print(f"Ray cluster {ray.get_runtime_context().gcs_address}")
     replica = launch.launch_deployment(spec, PrefillSpec())
     try:
         for rid, prompt in prompts.items():

@@ -1,5 +1,5 @@
 """Command line ``hisparse-ray`` (ring 3): ``demo`` (the main job on the embedded default),
-``generate`` (your prompts and config), ``serve`` (HTTP through Ray Serve) and ``smoke`` (start
+``generate`` (your prompts and config), ``serve`` (the OpenAI API through Ray Serve) and ``smoke`` (start
 Ray, print the config).
 
 ``demo`` starts a local Ray cluster, one prefill worker and one decode replica with TP 2 on the
@@ -18,8 +18,9 @@ import sys
 import time
 from dataclasses import MISSING, fields
 
-from hisparse_ray.config import KVLayout
-from hisparse_ray.deploy import GROUPS, DeployOptions, load_config, visible_gpus
+from hisparse_ray.config import GIB, KVLayout, env_ray_address
+from hisparse_ray.deploy import GROUPS, DeployOptions, ReplicaSpec, load_config, visible_gpus
+from hisparse_ray.errors import ConfigError
 
 CLI_GROUPS = {"demo": GROUPS[:4], "generate": GROUPS[:4], "serve": GROUPS}
 
@@ -41,12 +42,87 @@ def options(args: argparse.Namespace) -> DeployOptions:
                                     if hasattr(args, f.name)})
 
 
-def _start_ray(num_cpus: int | None) -> None:
+def pool_summary(spec: ReplicaSpec) -> str:
+    """One line to print before anything starts: the host pool's size (the ``/dev/shm`` segment
+    rank 0 will create), the device pool's and the hot buffer's."""
+    from hisparse_ray.host.segment import pool_bytes
+
+    lay, c = spec.layout, spec.hisparse
+    host = pool_bytes(lay, spec.num_host_blocks)
+    device = spec.num_device_blocks * lay.block_bytes
+    return (f"host pool: {spec.num_host_blocks} blocks of {spec.page_size} tokens = "
+            f"{_size(host)} in {spec.host_pool_dir} (host_pool_gib={c.host_pool_gib:g}); device "
+            f"pool: {spec.num_device_blocks} blocks = {_size(device)} per rank; hot buffer "
+            f"{c.device_buffer_size} slots per request, top-k {c.top_k}")
+
+
+def check_host_fits(spec: ReplicaSpec, replicas: int = 1) -> int:
+    """Before anything starts on THIS node (the CLI's local cluster): ConfigError unless
+    ``replicas`` host pools of ``spec`` fit its ``host_pool_dir`` and memory, as
+    ``HostPool.create`` will demand (``host.segment.fit_problem``). Returns their bytes."""
+    from hisparse_ray.host.segment import fit_problem, pool_bytes
+
+    need = replicas * pool_bytes(spec.layout, spec.num_host_blocks)
+    try:
+        why = fit_problem(need, spec.host_pool_dir)
+    except OSError as e:
+        raise ConfigError("host_pool_dir", spec.host_pool_dir,
+                          f"must be a directory on this node ({e.strerror})") from None
+    if why:
+        raise ConfigError("host_pool_gib", spec.hisparse.host_pool_gib,
+                          f"{replicas} host pool(s) of {_size(need // replicas)} on this node: "
+                          f"{why}")
+    return need
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
+
+
+def deployment(args: argparse.Namespace, replicas: int = 1, out=None):
+    """Options, specs and this node's checks of a command, all before Ray starts: ConfigError
+    naming the option for a bad value, a config that does not fit the model, or pools that do
+    not fit (the device pool one hot buffer; ``replicas`` host pools this node's
+    ``host_pool_dir`` and memory). Prints the pools' sizes (to ``out``, default stdout).
+    Returns (options, replica spec, prefill spec)."""
+    opts = options(args)
+    check_host_fits(opts.specs(gpus=0)[0], replicas)  # sizes before torch looks for GPUs
+    replica_spec, prefill_spec = opts.specs()
+    print(pool_summary(replica_spec) + (f", x{replicas} replicas" if replicas > 1 else ""),
+          file=out or sys.stdout, flush=True)
+    return opts, replica_spec, prefill_spec
+
+
+def _request_ids(args: argparse.Namespace, vocab: int, tok=None) -> list[tuple[str, list[int]]]:
+    """``--prompt`` texts (through ``tok``, the model's tokenizer) and ``--ids`` lists as (request
+    id, token ids); ConfigError naming ``ids`` for a value that is not a list of ids in
+    ``[0, vocab)``."""
+    requests = [(f"p{i}", tok.encode(text)) for i, text in enumerate(args.prompt or [])]
+    for i, ids in enumerate(args.ids or []):
+        try:
+            toks = [int(x) for x in ids.replace(",", " ").split()]
+        except ValueError:
+            toks = []
+        if not toks or not all(0 <= t < vocab for t in toks):
+            raise ConfigError("ids", ids, f"must be token ids in [0, {vocab}) separated by commas "
+                                          f"or spaces")
+        requests.append((f"ids{i}", toks))
+    return requests
+
+
+def _start_ray(num_cpus: int | None, address: str | None = None) -> bool:
+    """Attach to the Ray cluster at ``address`` (``--address``, else ``$RAY_ADDRESS``: what
+    ``ray job submit`` sets), else start a private local one. Returns whether it attached."""
     import ray
 
+    address = address or env_ray_address()
+    if address:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        return True
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
              num_gpus=visible_gpus(), include_dashboard=False,
              log_to_driver=False, configure_logging=False)
+    return False
 
 
 def run_requests(replica, requests: list[tuple[str, list[int]]], max_new_tokens: int,
@@ -73,14 +149,14 @@ def run_requests(replica, requests: list[tuple[str, list[int]]], max_new_tokens:
     return ray.get(coord.wait.remote([rid for rid, _ in requests]))
 
 
-def reference_tokens(model_spec, requests: list[tuple[str, list[int]]], max_new_tokens: int,
-                     device: str = "cpu") -> dict[str, list[int]]:
+def reference_tokens(replica_spec, requests: list[tuple[str, list[int]]], max_new_tokens: int
+                     ) -> dict[str, list[int]]:
     """The same prompts through the in-process engine in full-resident mode (greedy), on the
-    device the decode ranks used."""
-    from hisparse_ray.testing.full_resident import full_resident_tokens
+    device, KV-cache dtype and decode path (fast step or reference) the decode ranks used."""
+    from hisparse_ray.testing.full_resident import replica_baseline
 
-    return full_resident_tokens(model_spec, [p for _, p in requests], max_new_tokens,
-                                [rid for rid, _ in requests], device=device)
+    return replica_baseline(replica_spec, [p for _, p in requests], max_new_tokens,
+                            [rid for rid, _ in requests])
 
 
 def print_table(rows: list[dict], metrics: dict) -> None:
@@ -113,9 +189,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hisparse_ray.actors import launch
 
     t_start = time.perf_counter()
-    opts = options(args)
+    opts, replica_spec, prefill_spec = deployment(args)
     cfg = opts.config
-    replica_spec, prefill_spec = opts.specs()
     rng = random.Random(opts.seed)
     lengths = [rng.randint(args.min_context, args.max_context) for _ in range(args.requests)]
     requests = [(f"req{i}", [rng.randrange(1, 96) for _ in range(n)]) for i, n in enumerate(lengths)]
@@ -123,8 +198,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           f"{min(lengths) / cfg.device_buffer_size:.0f}-{max(lengths) / cfg.device_buffer_size:.0f}x "
           f"the hot buffer ({cfg.device_buffer_size} slots), top-k {cfg.top_k}, "
           f"{opts.max_new_tokens} new tokens each, TP {opts.tp}, device {replica_spec.device}"
-          + (f" ({replica_spec.gpus_per_rank:g} GPU per rank)" if replica_spec.use_cuda else ""))
-    _start_ray(args.num_cpus)
+          + (f" ({replica_spec.gpus_per_rank:g} GPU per rank)" if replica_spec.use_cuda else "")
+          + f", {'fast step' if replica_spec.fast_path else 'reference'} decode path, KV rows "
+          f"{replica_spec.kv_cache_dtype} ({replica_spec.layout.bytes_per_token_layer} B)")
+    _start_ray(args.num_cpus, args.address)
     try:
         t0 = time.perf_counter()
         replica = launch.launch_deployment(replica_spec, prefill_spec)
@@ -144,7 +221,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"FAILED requests: {[(r['request_id'], r['error']) for r in failed]}")
         return 1
     print("\nexactness check: the same prompts through full-resident decode (in-process engine)")
-    ref = reference_tokens(replica_spec.model, requests, opts.max_new_tokens, replica_spec.device)
+    ref = reference_tokens(replica_spec, requests, opts.max_new_tokens)
     ok = True
     for r in rows:
         same = r["tokens"] == ref[r["request_id"]]
@@ -161,19 +238,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from hisparse_ray.actors import launch
 
-    opts = options(args)
-    replica_spec, prefill_spec = opts.specs()
+    opts, replica_spec, prefill_spec = deployment(args, out=sys.stderr if args.json else None)
     tok = replica_spec.model.tokenizer()  # a folder's HF tokenizer, or the built-ins' byte one
     if tok is None and args.prompt:
         raise SystemExit(f"--prompt: the model {opts.model} has no tokenizer; give --ids")
-    requests: list[tuple[str, list[int]]] = []
-    for i, text in enumerate(args.prompt or []):
-        requests.append((f"p{i}", tok.encode(text)))
-    for i, ids in enumerate(args.ids or []):
-        requests.append((f"ids{i}", [int(x) for x in ids.replace(",", " ").split()]))
+    requests = _request_ids(args, replica_spec.model.dsa_config().vocab_size, tok)
     if not requests:
         raise SystemExit("give at least one --prompt TEXT or --ids '1,2,3'")
-    _start_ray(args.num_cpus)
+    _start_ray(args.num_cpus, args.address)
     try:
         replica = launch.launch_deployment(replica_spec, prefill_spec)
         try:
@@ -196,7 +268,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    """Serve ``generate`` over HTTP with Ray Serve until interrupted (Ctrl-C or SIGTERM)."""
+    """Serve the OpenAI API with Ray Serve until interrupted (Ctrl-C or SIGTERM): then every
+    request in flight is answered 503 (its decode replica drains) and the app stops."""
     import signal
     import threading
 
@@ -204,35 +277,69 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         from ray import serve
+
+        from hisparse_ray.serve import build_openai_app
+        from hisparse_ray.serve.builder import options_of
+        from hisparse_ray.serve.protocol import model_id
     except ImportError as err:
-        raise SystemExit(f"hisparse-ray serve needs Ray Serve: pip install "
+        raise SystemExit(f"hisparse-ray serve needs Ray Serve and openai: pip install "
                          f"'hisparse-ray[serve]' ({err})") from None
 
-    from hisparse_ray.serve import build_app
-
-    opts = options(args)
-    app = build_app(opts)  # option errors before anything starts
+    opts = options_of(options(args))  # the API key defaults to $HISPARSE_API_KEY
+    deployment(args, opts.num_replicas)  # option errors and this node's sizes before Ray starts
+    app = build_openai_app(opts)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    _start_ray(args.num_cpus)
+    attached = _start_ray(args.num_cpus, args.address)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         print(f"starting {opts.num_replicas} HiSparse replica(s) (TP {opts.tp})...", flush=True)
         t0 = time.perf_counter()
-        serve.run(app, name="hisparse", route_prefix="/", blocking=False)
-        print(f"serving on http://{args.host}:{args.port}/ (up in "
-              f"{time.perf_counter() - t0:.1f}s); POST JSON like "
-              f"{{\"prompt\": \"hello\", \"max_new_tokens\": 8}} or {{\"ids\": [5, 17, 3]}}; "
-              f"Ctrl-C stops", flush=True)
+        serve.run(app, name=args.app_name, route_prefix="/", blocking=False)
+        key = " (API key required)" if opts.api_key else ""
+        print(f"serving the OpenAI API on http://{args.host}:{args.port}/v1{key} (up in "
+              f"{time.perf_counter() - t0:.1f}s); model "
+              f"{model_id(opts)!r}; Ctrl-C stops",
+              flush=True)
         stop.wait()
-        print("stopping...", flush=True)
+        print("stopping: answering requests in flight with 503...", flush=True)
+        print(f"drained {drain_app(args.app_name)} request(s)", flush=True)
     finally:
         try:
-            serve.shutdown()
+            serve.delete(args.app_name)
+            if not attached:
+                serve.shutdown()
         finally:
             ray.shutdown()
     return 0
+
+
+def drain_app(app_name: str, timeout_s: float = 10.0) -> int:
+    """Drain the decode replicas of a Serve app (their coordinators are named actors): every
+    request in flight ends with ``StateError`` -> HTTP 503, new ones are refused. Returns how
+    many requests were in flight."""
+    import ray
+
+    from hisparse_ray.serve.server import COORDINATOR_PREFIX
+
+    prefix = f"{COORDINATOR_PREFIX}{app_name}:"
+    refs = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefix):
+            try:
+                coord = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                refs.append(coord.drain.remote("server is shutting down"))
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                pass
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    total = 0
+    for ref in done:
+        try:
+            total += ray.get(ref)
+        except Exception:  # noqa: BLE001 - a replica that died meanwhile has nothing to drain
+            pass
+    return total
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
@@ -241,7 +348,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     layout = KVLayout()
     t0 = time.perf_counter()
-    _start_ray(args.num_cpus)
+    _start_ray(args.num_cpus, args.address)
     try:
         res = ray.cluster_resources()
         print(f"local Ray cluster up in {time.perf_counter() - t0:.1f}s: "
@@ -257,7 +364,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
 
 _TITLES = {"model": "model", "replica": "decode replica", "prefill": "prefill worker",
            "request": "requests", "serve": "Ray Serve"}
-_METAVARS = {"int": "N", "float": "X", "float?": "X", "str": "NAME", "dict?": "JSON",
+_METAVARS = {"int": "N", "float": "X", "float?": "X", "str": "NAME", "dict?": "JSON", "json?": "JSON",
              "config": "JSON"}
 
 
@@ -275,6 +382,8 @@ def _deployment_args(p: argparse.ArgumentParser, command: str) -> None:
             choices=meta["choices"] or None, metavar=None if meta["choices"] else
             _METAVARS[meta["kind"]], help=meta["help"] + shown)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
+    p.add_argument("--address", default=None, help="attach to this Ray cluster (default: "
+                   "$RAY_ADDRESS, e.g. set by `ray job submit`; else start a local one)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,15 +404,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ids", action="append", help="prompt token ids, e.g. '5,17,3' (repeatable)")
     g.add_argument("--json", action="store_true", help="print results as JSON")
     g.set_defaults(func=_cmd_generate)
-    v = sub.add_parser("serve", help="serve generate over HTTP with Ray Serve (POST JSON "
-                       "{\"prompt\": ...} or {\"ids\": [...]})")
+    v = sub.add_parser("serve", help="serve the OpenAI API (/v1/completions, "
+                       "/v1/chat/completions, /v1/models) with Ray Serve")
     _deployment_args(v, "serve")
     v.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--app-name", default="hisparse", help="the Serve application's name")
     v.set_defaults(func=_cmd_serve)
     s = sub.add_parser("smoke", help="start a local Ray cluster and print the config")
     s.add_argument("--config", help="HiSparse config JSON (SGLang --hisparse-config keys)")
     s.add_argument("--num-cpus", type=int, default=2)
+    s.add_argument("--address", default=None, help="attach to this Ray cluster")
     s.set_defaults(func=_cmd_smoke)
     return p
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from hisparse_ray.errors import ConfigError
@@ -30,6 +31,24 @@ MAX_BLOCK_THREADS = 1024
 #   bf16 MLA: (kv_lora_rank 512 + rope 64) dims * 2 B = 1152 B.
 #   fp8 FlashMLA layout: 512 fp8 latent + 4 fp32 scales + 64 bf16 rope = 512 + 16 + 128 = 656 B.
 KV_ROW_BYTES = {"bf16": 1152, "fp8": 656}
+#: KV-cache dtypes of a row (``kv_cache_dtype``; "auto" = the model's dtype)
+KV_CACHE_DTYPES = ("fp32", "bf16", "fp8")
+FP8_TILE = 128  # latent values per fp8 scale (DeepSeek-V3.2's row layout)
+
+
+def kv_row_bytes(kind: str, kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one token's MLA row (``kv_lora_rank`` latent + ``rope_dim`` rope values) stored as
+    ``kind``: fp32 / bf16 values, or fp8 (e4m3 latent, one fp32 scale per 128 latent values, bf16
+    rope: 656 B at 512 + 64; :mod:`hisparse_ray.kernels.kvfp8` holds the codec). ConfigError
+    names ``kv_cache_dtype`` for an unknown kind or a shape fp8 rows cannot hold."""
+    if kind not in KV_CACHE_DTYPES:
+        raise ConfigError("kv_cache_dtype", kind, f"must resolve to one of {KV_CACHE_DTYPES}")
+    if kind == "fp8":
+        if kv_lora_rank % 4 or rope_dim % 2:
+            raise ConfigError("kv_cache_dtype", kind, f"fp8 rows need kv_lora_rank % 4 == 0 and an "
+                              f"even rope dim, got {kv_lora_rank} + {rope_dim}")
+        return kv_lora_rank + 4 * -(-kv_lora_rank // FP8_TILE) + 2 * rope_dim
+    return (kv_lora_rank + rope_dim) * (4 if kind == "fp32" else 2)
 
 
 def _int(key: str, value: Any, *, lo: int, allowed: str) -> int:
@@ -87,23 +106,76 @@ class HiSparseConfig:
                    host_pool_gib=0.01)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HiSparseConfig":
+    def from_dict(cls, data: dict[str, Any], base: "HiSparseConfig | None" = None
+                  ) -> "HiSparseConfig":
+        """The config ``data`` names; keys left out keep ``base``'s values (None: the class
+        defaults, SGLang's production sizes). An unknown key raises ConfigError naming it."""
         if not isinstance(data, dict):
             raise ConfigError("hisparse-config", data, "must be a JSON object")
         known = {f.name for f in fields(cls)}
         for key in data:
             if key not in known:
                 raise ConfigError(key, data[key], f"unknown key; allowed keys: {sorted(known)}")
-        return cls(**data)
+        return cls(**{**(base.to_dict() if base is not None else {}), **data})
 
     @classmethod
-    def from_json(cls, text: str) -> "HiSparseConfig":
-        """Parse SGLang's ``--hisparse-config`` JSON (``host_pool_gib`` may be added)."""
+    def from_json(cls, text: str, base: "HiSparseConfig | None" = None) -> "HiSparseConfig":
+        """Parse SGLang's ``--hisparse-config`` JSON (``host_pool_gib`` may be added); keys left
+        out keep ``base``'s values (None: the class defaults)."""
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, TypeError) as e:
             raise ConfigError("hisparse-config", text, f"must be valid JSON ({e})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(data, base)
+
+    def check_model(self, index_topk: int, model: str = "the model") -> None:
+        """ConfigError naming ``top_k`` unless this config fits a model whose indexer selects
+        ``index_topk`` positions per layer and step: the resolver maps exactly that selection,
+        so ``top_k`` must equal it (and ``device_buffer_size >= top_k`` then gives every
+        selected position a hot slot). Checked wherever a config meets a model (``Engine``,
+        ``HiSparseWorker``, ``ReplicaSpec``), so a mismatch never reaches a decode step."""
+        if self.top_k != index_topk:
+            hot = "" if self.device_buffer_size >= index_topk else (
+                f"; device_buffer_size={self.device_buffer_size} must then be >= {index_topk}")
+            raise ConfigError("top_k", self.top_k,
+                              f"must equal {model}'s index_topk ({index_topk}): its indexer "
+                              f"selects {index_topk} positions per layer and step, each needing "
+                              f"a hot slot{hot}")
+
+    @classmethod
+    def load(cls, value: Any, base: "HiSparseConfig | None" = None) -> "HiSparseConfig":
+        """A config from what a front door was given: a ``HiSparseConfig``, a dict, inline JSON or
+        the path of a JSON file. Keys left out keep ``base``'s values (None: the class defaults);
+        None or "" is ``base``. A path that is not there, a file that is not JSON and JSON that
+        is not an object raise ConfigError (key ``config``) saying which."""
+        base = cls() if base is None else base
+        if isinstance(value, cls):
+            return value
+        if value is None or value == "":
+            return base
+        if isinstance(value, dict):
+            return cls.from_dict(value, base)
+        if not isinstance(value, str):
+            raise ConfigError("config", value, "must be a HiSparseConfig, a dict, inline JSON or "
+                                               "the path of a JSON file")
+        text = value.strip()
+        if text.startswith("{"):
+            return cls.from_json(text, base)
+        path = Path(text).expanduser()
+        if path.is_file():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise ConfigError("config", value, f"the file is not readable JSON ({e})") from None
+            return cls.from_dict(data, base)
+        if path.exists():
+            raise ConfigError("config", value, "is not a file: give a JSON file or inline JSON")
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise ConfigError("config", value, "no such file; give the path of a JSON file or "
+                                               "inline JSON like '{\"top_k\": 8}'") from None
+        return cls.from_dict(data, base)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,7 +206,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         _int("num_layers", self.num_layers, lo=1, allowed="must be >= 1")
-        if self.kv_dtype not in KV_ROW_BYTES:
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_ROW_BYTES:
             raise ConfigError("kv_dtype", self.kv_dtype, f"must be one of {sorted(KV_ROW_BYTES)}")
         _int("page_size", self.page_size, lo=1, allowed="must be >= 1 (tokens per page)")
         if self.row_bytes is not None:
@@ -208,6 +280,8 @@ class CoordinatorConfig:
             _pos_int(key, getattr(self, key))
         _pos_int("page_bytes", self.page_bytes, lo=0)
         _pos_int("row_bytes", self.row_bytes, lo=0)
+        if not isinstance(self.host_tier, bool):
+            raise ConfigError("host_tier", self.host_tier, "must be True or False")
         if self.hot_blocks_per_request > self.num_device_blocks:
             raise ConfigError(
                 "num_device_blocks", self.num_device_blocks,
@@ -237,6 +311,16 @@ class CoordinatorConfig:
             tp_size=tp_size, max_batch=max_batch, page_bytes=layout.block_bytes,
             row_bytes=layout.bytes_per_token,
         )
+
+
+def env_api_key() -> str:
+    """The HTTP API key from ``HISPARSE_API_KEY`` ("" when unset): the serve front end's default."""
+    return os.environ.get("HISPARSE_API_KEY", "")
+
+
+def env_ray_address() -> str:
+    """``RAY_ADDRESS`` ("" when unset): the cluster ``ray job submit`` runs an entrypoint on."""
+    return os.environ.get("RAY_ADDRESS", "")
 
 
 def env_flag(name: str, default: bool = False) -> bool:

@@ -12,30 +12,48 @@ pool sizes. The specs' defaults are the options' defaults.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
+from hisparse_ray.checks import (
+    check_bool, check_choice, check_int, check_number, check_optional_number, check_str, check_type,
+)
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout, kv_row_bytes
 from hisparse_ray.errors import ConfigError
+from hisparse_ray.fastpath.config import deployment_fast_path
 
 #: ``landing_push_with_prefill`` values
 PUSH_WITH_PREFILL = ("auto", "always", "never")
 #: option groups: the CLI's ``demo`` and ``generate`` take the first four, ``serve`` all
 GROUPS = ("model", "replica", "prefill", "request", "serve")
+#: ``deployment_config`` keys: Serve deployment options passed through to the HiSparse deployment
+SERVE_DEPLOYMENT_KEYS = ("autoscaling_config", "num_replicas", "max_ongoing_requests",
+                         "max_queued_requests", "health_check_period_s", "health_check_timeout_s",
+                         "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s",
+                         "ray_actor_options", "user_config", "placement_group_bundles",
+                         "placement_group_strategy", "max_replicas_per_node")
+#: the built-in model kinds (``hisparse_ray.model.config.KINDS``; spelled out here so that the
+#: front door refuses a bad kind without importing torch)
+MODEL_KINDS = ("deepseek_v32", "glm_moe_dsa")
+#: a replica id names the host pool's segment file and placement group
+_NAME_FORBIDS = "/\0"
+FAST_PATH, KV_CACHE_DTYPES = ("auto", "on", "off"), ("auto", "fp32", "bf16", "fp8")
 
 
 def _opt(default: Any, help: str, group: str, *, kind: str = "", choices: tuple = (),
-         factory: Any = None) -> Any:
+         factory: Any = None, secret: bool = False) -> Any:
     """A ``DeployOptions`` field: its default, help text (the CLI's), group and value kind
-    ("int", "float", "str", "float?" (or None), "dict?" (resource dict or None), "config")."""
+    ("int", "float", "str", "float?" (or None), "dict?" (resource dict or None), "json?" (a JSON
+    object or None), "config")."""
     kind = kind or {int: "int", float: "float", str: "str"}[type(default)]
     meta = {"help": help, "group": group, "kind": kind, "choices": choices}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata=meta, repr=not secret)  # a secret stays out of logs
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +69,9 @@ class DeployOptions:
                       "weights) or a local HF model folder (config.json, safetensors shards, "
                       "tokenizer; DeepSeek-V3.2 / GLM-5, fp8 block-quantized included)", "model")
     seed: int = _opt(0, "model weights seed (identical on every actor)", "model")
-    dtype: str = _opt("float32", "model and KV dtype (float32 keeps greedy choices robust to "
-                      "batching differences in the exactness checks)", "model",
+    dtype: str = _opt("float32", "model dtype, and the KV rows' unless kv_cache_dtype says "
+                      "(float32 keeps greedy choices robust to batching differences in the "
+                      "exactness checks)", "model",
                       choices=("float32", "bfloat16"))
     model_shape: str = _opt("tiny", "tiny: 4 layers of 48-value rows; landing: DeepSeek-V3.2's KV "
                             "bytes per token around a tiny network (benchmarks)", "model",
@@ -63,8 +82,9 @@ class DeployOptions:
                     choices=("auto", "kernel", "dequantize"))
     # -- one decode replica
     config: HiSparseConfig = _opt(None, "HiSparse config: a JSON file or inline JSON (SGLang "
-                                  "--hisparse-config keys + host_pool_gib); default: top-k 8 of a "
-                                  "16-slot hot buffer, 10 MiB host pool", "replica", kind="config",
+                                  "--hisparse-config keys + host_pool_gib); keys left out take "
+                                  "the built-in model's defaults: top-k 8 of a 16-slot hot "
+                                  "buffer, 10 MiB host pool", "replica", kind="config",
                                   factory=HiSparseConfig.tiny)
     tp: int = _opt(2, "decode tensor-parallel ranks", "replica")
     page_size: int = _opt(8, "positions per page / host block", "replica")
@@ -99,6 +119,16 @@ class DeployOptions:
                                           "another landing, always, never", "replica",
                                           choices=PUSH_WITH_PREFILL)
     replica_id: str = _opt("r0", "names the replica's host pool and placement group", "replica")
+    host_pool_dir: str = _opt("/dev/shm", "directory (a tmpfs) of the host pool's shared-memory "
+                              "segment; its name is removed as soon as every rank mapped it, so "
+                              "no exit path leaves it behind", "replica")
+    fast_path: str = _opt("auto", "decode with the fast step (batched, paged GPU index keys, "
+                          "FlashMLA / DeepGEMM, CUDA graphs): on, off (the reference path), auto = "
+                          "on with CUDA and FlashMLA on an sm90 GPU", "replica", choices=FAST_PATH)
+    kv_cache_dtype: str = _opt("auto", "KV rows in every pool and landing: auto = the model dtype, "
+                               "fp32, bf16, fp8 (656 B rows)", "replica", choices=KV_CACHE_DTYPES)
+    index_key_dtype: str = _opt("auto", "the fast path's GPU index keys: auto = the model dtype, "
+                                "fp32, bf16, fp8", "replica", choices=KV_CACHE_DTYPES)
     # -- one prefill worker
     max_prompt_tokens: int = _opt(4096, "prefill send buffer: the longest prompt", "prefill")
     prefill_gpus: float = _opt(0.0, "GPU share of the prefill worker", "prefill")
@@ -118,6 +148,17 @@ class DeployOptions:
                                          "serve", kind="dict?")
     prefill_resources: dict | None = _opt(None, "pin the prefill worker likewise", "serve",
                                           kind="dict?")
+    served_model_name: str = _opt("", "the model id clients name in OpenAI requests "
+                                  "(default: hisparse-<model>)", "serve")
+    api_key: str = _opt("", "require 'Authorization: Bearer KEY' on /v1 (default: "
+                        "$HISPARSE_API_KEY; empty: no key)", "serve", secret=True)
+    max_request_bytes: int = _opt(8 << 20, "the largest HTTP request body (413 before it is "
+                                  "read or tokenized)", "serve")
+    max_queued_requests: int = _opt(-1, "requests queued per Serve replica beyond "
+                                    "max_ongoing_requests before HTTP 429 (-1: no limit)", "serve")
+    deployment_config: dict | None = _opt(None, "Serve options of the HiSparse deployment, passed "
+                                          "through (JSON: autoscaling_config, "
+                                          "graceful_shutdown_timeout_s, ...)", "serve", kind="json?")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -125,20 +166,24 @@ class DeployOptions:
         for key in ("tp", "page_size", "device_blocks", "max_batch", "model_layers",
                     "landing_attempts", "landing_layer_groups", "max_prompt_tokens",
                     "max_new_tokens", "max_new_tokens_limit", "num_replicas",
-                    "max_ongoing_requests"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, getattr(self, key), "an int >= 1")
-        if self.staging_blocks < 0:
-            raise ConfigError("staging_blocks", self.staging_blocks, "an int >= 0")
+                    "max_ongoing_requests", "max_request_bytes"):
+            check_int(key, getattr(self, key), lo=1)
+        check_int("seed", self.seed, lo=0, hi=2**64 - 1)
+        check_int("staging_blocks", self.staging_blocks, lo=0)
         for key in ("step_timeout_s", "landing_timeout_s", "landing_call_timeout_s",
                     "request_timeout_s", "health_check_period_s"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(key, getattr(self, key), "seconds > 0")
-        for key in ("cpus_per_rank", "prefill_gpus", "prefill_cpus"):
-            if getattr(self, key) < 0:
-                raise ConfigError(key, getattr(self, key), "a resource amount >= 0")
-        if self.gpus_per_rank is not None and not 0 < self.gpus_per_rank <= 1:
-            raise ConfigError("gpus_per_rank", self.gpus_per_rank, "in (0, 1] or None")
+            check_number(key, getattr(self, key), lo=0, lo_open=True, why="seconds")
+        check_number("cpus_per_rank", self.cpus_per_rank, lo=0, why="CPUs")
+        check_number("prefill_cpus", self.prefill_cpus, lo=0, why="CPUs")
+        check_number("prefill_gpus", self.prefill_gpus, lo=0, hi=1, why="a share of one GPU")
+        check_optional_number("gpus_per_rank", self.gpus_per_rank, lo=0, lo_open=True, hi=1)
+        check_str("replica_id", self.replica_id, forbid=_NAME_FORBIDS)
+        check_str("host_pool_dir", self.host_pool_dir, forbid="\0")
+        if self.max_queued_requests < -1 or self.max_queued_requests == 0:
+            raise ConfigError("max_queued_requests", self.max_queued_requests, "-1 or an int >= 1")
+        bad = sorted(set(self.deployment_config or {}) - set(SERVE_DEPLOYMENT_KEYS))
+        if bad:
+            raise ConfigError("deployment_config", bad[0], f"one of {', '.join(SERVE_DEPLOYMENT_KEYS)}")
         if self.max_new_tokens > self.max_new_tokens_limit:
             raise ConfigError("max_new_tokens", self.max_new_tokens,
                               f"<= max_new_tokens_limit ({self.max_new_tokens_limit})")
@@ -171,6 +216,16 @@ class DeployOptions:
         return self._specs(resolve_gpus_per_rank(self.gpus_per_rank, self.tp, gpus))
 
     def _specs(self, gpus_per_rank: float) -> tuple["ReplicaSpec", "PrefillSpec"]:
+        """The specs; a spec's ConfigError is re-raised under the option's name (``tp`` for
+        ``tp_size``...), the name the user gave it."""
+        try:
+            return self._build_specs(gpus_per_rank)
+        except ConfigError as err:
+            if err.key not in _OPTION_OF:
+                raise
+            raise ConfigError(_OPTION_OF[err.key], err.value, err.allowed) from None
+
+    def _build_specs(self, gpus_per_rank: float) -> tuple["ReplicaSpec", "PrefillSpec"]:
         model = ModelSpec(kind=self.model, seed=self.seed, dtype=self.dtype,
                           shape=self.model_shape, num_layers=self.model_layers, fp8=self.fp8)
         replica = ReplicaSpec(
@@ -182,10 +237,21 @@ class DeployOptions:
             replica_id=self.replica_id, step_yield_s=self.step_yield_s,
             landing_layer_groups=self.landing_layer_groups,
             landing_call_timeout_s=self.landing_call_timeout_s,
-            landing_push_with_prefill=self.landing_push_with_prefill)
+            landing_push_with_prefill=self.landing_push_with_prefill,
+            host_pool_dir=self.host_pool_dir,
+            kv_cache_dtype=self.kv_cache_dtype, fast_path=deployment_fast_path(
+                self.fast_path, gpus_per_rank, self.max_prompt_tokens + self.max_new_tokens_limit,
+                self.max_batch, self.index_key_dtype))
         prefill = PrefillSpec(model=model, max_prompt_tokens=self.max_prompt_tokens,
-                              gpus=self.prefill_gpus, cpus=self.prefill_cpus)
+                              gpus=self.prefill_gpus, cpus=self.prefill_cpus,
+                              kv_cache_dtype=self.kv_cache_dtype)
         return replica, prefill
+
+
+#: spec field -> the DeployOptions option it comes from, where the names differ
+_OPTION_OF = {"num_device_blocks": "device_blocks", "tp_size": "tp", "kind": "model",
+              "shape": "model_shape", "num_layers": "model_layers", "gpus": "prefill_gpus",
+              "cpus": "prefill_cpus"}
 
 
 def _check_kind(key: str, value: Any, meta: Mapping[str, Any]) -> None:
@@ -194,7 +260,10 @@ def _check_kind(key: str, value: Any, meta: Mapping[str, Any]) -> None:
         ok = isinstance(value, HiSparseConfig)
     elif kind == "dict?":
         ok = value is None or (isinstance(value, dict) and all(
-            isinstance(k, str) and _number(x) and x > 0 for k, x in value.items()))
+            isinstance(k, str) and _number(x) and math.isfinite(x) and x > 0
+            for k, x in value.items()))
+    elif kind == "json?":
+        ok = value is None or (isinstance(value, dict) and all(isinstance(k, str) for k in value))
     elif kind == "float?":
         ok = value is None or _number(value)
     elif kind == "float":
@@ -206,7 +275,8 @@ def _check_kind(key: str, value: Any, meta: Mapping[str, Any]) -> None:
     if not ok:
         raise ConfigError(key, value, {"config": "a HiSparseConfig", "int": "an int",
                                        "float": "a number", "float?": "a number or None",
-                                       "str": "a str", "dict?": "None or a dict of resource "
+                                       "str": "a str", "json?": "None or a JSON object",
+                                       "dict?": "None or a dict of resource "
                                        "name -> amount > 0"}[kind])
     if choices and value not in choices:
         raise ConfigError(key, value, f"one of {', '.join(choices)}")
@@ -228,27 +298,23 @@ def _parse(key: str, value: Any, kind: str) -> Any:
             return int(text)
         if kind in ("float", "float?"):
             return None if kind == "float?" and text.lower() in ("", "none") else float(text)
-        if kind == "dict?":
+        if kind in ("dict?", "json?"):
             return None if text.lower() in ("", "none") else json.loads(text)
     except ValueError:
-        raise ConfigError(key, value, {"int": "an int", "dict?": "JSON of resource name -> "
+        raise ConfigError(key, value, {"int": "an int", "json?": "a JSON object",
+                                       "dict?": "JSON of resource name -> "
                                        "amount"}.get(kind, "a number")) from None
     return value
 
 
-def load_config(value: Any) -> HiSparseConfig:
+def load_config(value: Any, base: HiSparseConfig | None = None) -> HiSparseConfig:
     """A HiSparse config from a ``HiSparseConfig``, a dict, inline JSON or a JSON file path
-    (SGLang ``--hisparse-config`` keys + ``host_pool_gib``); the default (``HiSparseConfig.tiny``)
-    for None or ""."""
-    if isinstance(value, HiSparseConfig):
-        return value
-    if value is None or value == "":
-        return HiSparseConfig.tiny()
-    if isinstance(value, dict):
-        return HiSparseConfig.from_dict(value)
-    if isinstance(value, str) and not value.lstrip().startswith("{") and Path(value).exists():
-        value = Path(value).read_text()
-    return HiSparseConfig.from_json(value)
+    (SGLang ``--hisparse-config`` keys + ``host_pool_gib``). Keys left out take ``base``'s values
+    (default: ``HiSparseConfig.tiny()``, the built-in models' defaults; SGLang's production
+    defaults would silently make a 4 GiB host pool for a tiny model); None or "" is ``base``.
+    A path that does not exist, a file that is not JSON and JSON that is not an object are
+    ConfigErrors saying which (``HiSparseConfig.load``)."""
+    return HiSparseConfig.load(value, HiSparseConfig.tiny() if base is None else base)
 
 
 def visible_gpus() -> int:
@@ -295,10 +361,15 @@ class ModelSpec:
     fp8: str = _D["fp8"]
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError("dtype", self.dtype, "one of 'float32', 'bfloat16'")
-        if self.fp8 not in ("auto", "kernel", "dequantize"):
-            raise ConfigError("fp8", self.fp8, "one of 'auto', 'kernel', 'dequantize'")
+        check_int("seed", self.seed, lo=0, hi=2**64 - 1)
+        check_choice("dtype", self.dtype, ("float32", "bfloat16"))
+        check_choice("shape", self.shape, ("tiny", "landing"))
+        check_int("num_layers", self.num_layers, lo=1)
+        check_choice("fp8", self.fp8, ("auto", "kernel", "dequantize"))
+        check_type("kind", self.kind, str, "a built-in kind or a local HF model folder")
+        if self.kind not in MODEL_KINDS and not os.path.isdir(self.kind):  # no torch import yet
+            raise ConfigError("kind", self.kind, f"must be one of {', '.join(MODEL_KINDS)} or a "
+                                                 "local HF model folder")
         src = self.source()  # a bad kind, shape or folder fails here, before anything starts
         object.__setattr__(self, "kind", src.name)  # a folder as an absolute path
 
@@ -322,12 +393,15 @@ class ModelSpec:
         return self.source().load(dtype=self.torch_dtype(), device=device, rank=rank,
                                   tp_size=tp_size, fp8=self.fp8)
 
-    def kv_layout(self, page_size: int) -> KVLayout:
-        """The KV row layout of this model: ``row_dim`` values of ``dtype`` per (token, layer)."""
+    def kv_layout(self, page_size: int, kv_cache_dtype: str = "auto") -> KVLayout:
+        """The KV row layout of this model: one row per (token, layer) in ``kv_cache_dtype``
+        ("auto": ``row_dim`` values of ``dtype``; fp8: DeepSeek-V3.2's row layout)."""
         cfg = self.dsa_config()
-        itemsize = 4 if self.dtype == "float32" else 2
+        kind = kv_cache_dtype
+        if kind == "auto":
+            kind = "fp32" if self.dtype == "float32" else "bf16"
         return KVLayout(num_layers=cfg.num_hidden_layers, page_size=page_size,
-                        row_bytes=cfg.row_dim * itemsize)
+                        row_bytes=kv_row_bytes(kind, cfg.kv_lora_rank, cfg.qk_rope_head_dim))
 
     def tokenizer(self):
         """A folder's HF tokenizer (None when it has no tokenizer.json), or the built-in kinds'
@@ -358,7 +432,8 @@ class ReplicaSpec:
     TP group), above 0.5 each rank has its own (NCCL; the ranks still share one host pool).
     Construction checks the pool sizing the coordinator core will schedule against
     (``core_config``). ``landing_push_with_prefill`` also takes True / False ("always" /
-    "never")."""
+    "never"). ``kv_cache_dtype`` sizes every pool's rows (``layout``); ``fast_path``: the ranks'
+    ``FastPathConfig`` (None: the reference path)."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
@@ -377,33 +452,46 @@ class ReplicaSpec:
     landing_layer_groups: int = _D["landing_layer_groups"]
     landing_call_timeout_s: float = _D["landing_call_timeout_s"]
     landing_push_with_prefill: str = _D["landing_push_with_prefill"]
+    host_pool_dir: str = _D["host_pool_dir"]
+    kv_cache_dtype: str = _D["kv_cache_dtype"]
+    fast_path: Any = None  # FastPathConfig | None (hisparse_ray.fastpath.config)
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ConfigError("tp_size", self.tp_size, "must be >= 1")
-        if self.page_size < 1:
-            raise ConfigError("page_size", self.page_size, "must be >= 1")
-        if self.num_device_blocks < 1:
-            raise ConfigError("num_device_blocks", self.num_device_blocks, "must be >= 1")
-        if self.staging_blocks < 0:
-            raise ConfigError("staging_blocks", self.staging_blocks, "must be >= 0")
-        if self.gpus_per_rank < 0 or self.cpus_per_rank < 0:
-            raise ConfigError("gpus_per_rank", self.gpus_per_rank, "resources must be >= 0")
-        if self.landing_attempts < 1:
-            raise ConfigError("landing_attempts", self.landing_attempts, "must be >= 1")
-        if self.landing_call_timeout_s <= 0:
-            raise ConfigError("landing_call_timeout_s", self.landing_call_timeout_s, "must be > 0")
-        if self.landing_layer_groups < 1:
-            raise ConfigError("landing_layer_groups", self.landing_layer_groups, "must be >= 1")
+        check_type("model", self.model, ModelSpec)
+        check_type("hisparse", self.hisparse, HiSparseConfig)
+        for key in ("page_size", "num_device_blocks", "tp_size", "max_batch", "landing_attempts",
+                    "landing_layer_groups"):
+            check_int(key, getattr(self, key), lo=1)
+        check_int("staging_blocks", self.staging_blocks, lo=0)
+        check_number("gpus_per_rank", self.gpus_per_rank, lo=0, hi=1, why="a share of one GPU")
+        check_number("cpus_per_rank", self.cpus_per_rank, lo=0, why="CPUs")
+        for key in ("step_timeout_s", "landing_timeout_s", "landing_call_timeout_s"):
+            check_number(key, getattr(self, key), lo=0, lo_open=True, why="seconds")
+        check_str("replica_id", self.replica_id, forbid=_NAME_FORBIDS)
+        check_str("host_pool_dir", self.host_pool_dir, forbid="\0")
+        check_optional_number("step_yield_s", self.step_yield_s, lo=50e-6, why="seconds")
         pwp = self.landing_push_with_prefill
         if isinstance(pwp, bool):
             object.__setattr__(self, "landing_push_with_prefill", "always" if pwp else "never")
-        elif pwp not in PUSH_WITH_PREFILL:
+        elif not isinstance(pwp, str) or pwp not in PUSH_WITH_PREFILL:
             raise ConfigError("landing_push_with_prefill", pwp,
                               f"must be one of {', '.join(PUSH_WITH_PREFILL)} (or a bool)")
-        if self.step_yield_s is not None and self.step_yield_s < 50e-6:
-            raise ConfigError("step_yield_s", self.step_yield_s, "must be >= 50e-6 s or None")
-        self.core_config  # noqa: B018 - the pools must hold one hot buffer and one host block
+        if self.fast_path is not None:
+            from hisparse_ray.fastpath.config import check_fast_path
+
+            check_fast_path(self.fast_path, self.max_batch)
+        self.check_model()
+        self.core_config  # noqa: B018 - pools holding a hot buffer and a host block; kv_cache_dtype
+
+    def check_model(self) -> None:
+        """The HiSparse config and TP size against the model every rank builds (ConfigError
+        naming the key): ``top_k`` equals the model's ``index_topk`` (so the hot buffer holds
+        every selected position) and ``tp_size`` divides its attention heads."""
+        cfg = self.model.dsa_config()
+        self.hisparse.check_model(cfg.index_topk, model=f"the {self.model.kind} model")
+        if cfg.num_attention_heads % self.tp_size:
+            raise ConfigError("tp_size", self.tp_size, f"must divide the {self.model.kind} "
+                              f"model's {cfg.num_attention_heads} attention heads")
 
     @property
     def use_cuda(self) -> bool:
@@ -424,7 +512,7 @@ class ReplicaSpec:
 
     @property
     def layout(self) -> KVLayout:
-        return self.model.kv_layout(self.page_size)
+        return self.model.kv_layout(self.page_size, self.kv_cache_dtype)
 
     @property
     def num_host_blocks(self) -> int:
@@ -451,7 +539,8 @@ class PrefillSpec:
     batch_invariant: the exact prefill (``DSAModel.prefill``: every position's KV bitwise what
     decode computes, so reused prefixes stay exact; see docs/architecture.md "Exactness
     contract"). It computes per token row (on a GPU one position at a time): False batches the
-    prefill's matmuls, for benchmarks and real-size models (rows then differ in the last bits)."""
+    prefill's matmuls, for benchmarks and real-size models (rows then differ in the last bits).
+    ``kv_cache_dtype``: the KV rows it sends; the replica's (``add_prefill`` checks)."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     max_prompt_tokens: int = _D["max_prompt_tokens"]
@@ -460,6 +549,17 @@ class PrefillSpec:
     name: str = "prefill0"
     synthetic_kv: bool = False
     batch_invariant: bool = True
+    kv_cache_dtype: str = _D["kv_cache_dtype"]
+
+    def __post_init__(self) -> None:
+        check_type("model", self.model, ModelSpec)
+        check_int("max_prompt_tokens", self.max_prompt_tokens, lo=1)
+        check_number("gpus", self.gpus, lo=0, hi=1, why="a share of one GPU")
+        check_number("cpus", self.cpus, lo=0, why="CPUs")
+        check_str("name", self.name, forbid=_NAME_FORBIDS)
+        check_bool("synthetic_kv", self.synthetic_kv)
+        check_bool("batch_invariant", self.batch_invariant)
+        self.model.kv_layout(1, self.kv_cache_dtype)  # ConfigError naming kv_cache_dtype
 
     @property
     def use_cuda(self) -> bool:

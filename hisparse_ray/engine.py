@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
+from hisparse_ray.checks import (
+    check_bool, check_choice, check_int, check_optional_number, check_type,
+)
 from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import (
@@ -25,8 +29,8 @@ from hisparse_ray.errors import (
 from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.kernels.kvfp8 import KV_DTYPES, row_codec
-from hisparse_ray.rank.executor import HiSparseWorker, SamplingParams
-from hisparse_ray.types import RequestId, RequestState
+from hisparse_ray.rank.executor import HiSparseWorker
+from hisparse_ray.types import RequestId, RequestState, SamplingParams
 
 _ids = itertools.count()
 
@@ -49,6 +53,9 @@ class EngineConfig:
     fast_path: decode through the fast step (:mod:`hisparse_ray.fastpath`: batched, paged GPU
         index keys, FlashMLA / DeepGEMM where they run, CUDA graphs per bucket); None = the
         reference path. Its largest bucket must hold ``max_batch``.
+    device: "cpu", "cuda" or "cuda:N". backend: the resolver's ("auto", "cuda", "torch").
+    Every field is checked at construction (ConfigError naming it); ``Engine`` then checks the
+    HiSparse config against the model (``HiSparseConfig.check_model``).
     """
 
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
@@ -64,18 +71,25 @@ class EngineConfig:
     fast_path: FastPathConfig | None = None
 
     def __post_init__(self) -> None:
+        check_type("hisparse", self.hisparse, HiSparseConfig)
         for key in ("page_size", "num_device_blocks", "max_batch"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(key, v, "must be an integer >= 1")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_DTYPES:
-            raise ConfigError("kv_cache_dtype", self.kv_cache_dtype, f"must be 'auto' or one of {KV_DTYPES}")
-        g = self.device_pool_gib
-        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0):
-            raise ConfigError("device_pool_gib", g, "must be a number > 0 (GiB) or None")
+            check_int(key, getattr(self, key), lo=1)
+        check_bool("full_resident", self.full_resident)
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError("device", self.device, "must be 'cpu', 'cuda' or 'cuda:N'")
+        check_choice("backend", self.backend, ("auto", "cuda", "torch"))
+        check_bool("batch_invariant", self.batch_invariant)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_DTYPES))
+        check_optional_number("device_pool_gib", self.device_pool_gib, lo=0, lo_open=True,
+                              why="GiB")
+        hot = -(-(self.hisparse.device_buffer_size + 1) // self.page_size)
+        if not self.full_resident and self.device_pool_gib is None and \
+                self.num_device_blocks < hot:
+            raise ConfigError("num_device_blocks", self.num_device_blocks,
+                              f"must hold one hot buffer ({hot} blocks for device_buffer_size="
+                              f"{self.hisparse.device_buffer_size}, page_size={self.page_size})")
         if self.fast_path is not None:
-            if not isinstance(self.fast_path, FastPathConfig):
-                raise ConfigError("fast_path", self.fast_path, "must be a FastPathConfig or None")
+            check_type("fast_path", self.fast_path, FastPathConfig, "a FastPathConfig or None")
             if self.fast_path.max_batch < self.max_batch:
                 raise ConfigError("fast_path.buckets", self.fast_path.buckets,
                                   f"the largest bucket must hold max_batch={self.max_batch}")
@@ -105,7 +119,8 @@ class Engine:
 
     def __init__(self, model: Any, config: EngineConfig | None = None) -> None:
         self.model, self.config = model, config or EngineConfig()
-        c = self.config
+        c = check_type("config", self.config, EngineConfig)
+        c.hisparse.check_model(model.cfg.index_topk, model=f"the {model.cfg.kind} model")
         self.layout = c.layout(model.cfg, model.dtype)
         num_host = self.layout.host_blocks(c.hisparse.host_pool_gib)
         if num_host < 1:
@@ -127,6 +142,7 @@ class Engine:
             page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token,
             host_tier=not (c.full_resident and c.device_pool_gib is not None)))
         self.pool = HostPool.create(f"engine{os.getpid()}-{next(_ids)}", self.layout, num_host)
+        self.pool.unlink()  # private: nothing attaches, so no exit path leaves the segment behind
         try:
             self.worker = HiSparseWorker(
                 model, c.hisparse, self.layout, num_device, self.pool, device=c.device,
@@ -148,6 +164,8 @@ class Engine:
         rid = RequestId(request_id)
         if rid in self._known:
             raise DuplicateRequestError(rid)
+        if sampling is not None:
+            check_type("sampling", sampling, SamplingParams)
         p = _Pending(list(prompt), max_new_tokens, eos_token_id)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in p.prompt if not (isinstance(t, int) and 0 <= t < vocab)]

@@ -28,7 +28,7 @@ from typing import Any, NewType
 
 import msgspec
 
-from hisparse_ray.errors import TransferError
+from hisparse_ray.errors import ConfigError, TransferError
 
 RequestId = NewType("RequestId", str)
 HostBlockId = NewType("HostBlockId", int)
@@ -145,6 +145,40 @@ class StepReport(_Wire, tag=2):
     # rank 0: the host pool's published generation after this step (its writes so far); the
     # next command carries it to the peers as ``host_seq``
     published: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How rank 0 picks a request's next token from its logits (``hisparse_ray.rank.sampler``).
+
+    ``temperature`` 0 is greedy (argmax; ``top_k`` / ``top_p`` ignored, bit-exact like before
+    sampling existed); otherwise softmax(logits / temperature) restricted to the ``top_k`` most
+    likely tokens (0 = all) and then to the smallest set whose probability reaches ``top_p``
+    (1.0 = all), drawn with a CPU generator seeded from ``seed``: a request samples the same
+    tokens on every run and in every mode (HiSparse and full-resident give the same logits).
+    Rides to rank 0 with the last chunk of the request's landing (``RankLandingStep.sampling``)."""
+
+    temperature: float = 0.0
+    seed: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        def number(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+        if not number(self.temperature) or not 0.0 <= self.temperature < float("inf"):
+            raise ConfigError("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("top_p", self.top_p, "a number in (0, 1] (1 = no nucleus cut)")
+        for key, hi in (("top_k", 1 << 31), ("seed", 1 << 63)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < hi:
+                raise ConfigError(key, v, f"an int in [0, {hi})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 # --- Coordinator-facing values (added by the core; additive) ------------------------------------
@@ -386,7 +420,7 @@ class RankLandingStep:
        staging rows ``[row, row + n)`` into the request's key cache (created on first use with
        room for ``capacity`` positions);
     4. ``last``: the request's key cache holds ``num_positions`` keys (it may decode once every
-       rank finished its steps)."""
+       rank finished its steps); rank 0 takes the request's ``sampling`` then."""
 
     request_id: str
     num_positions: int
@@ -398,6 +432,8 @@ class RankLandingStep:
     keys: tuple[int, int, int] | None = None
     last: bool = False
     layer_groups: int = 1  # > 1: wait and unstage group by group (``LandingDest.layer_groups``)
+    # rank 0, last chunk: how it samples the request (None: greedy)
+    sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)

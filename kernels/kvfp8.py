@@ -27,13 +27,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hisparse_ray.config import FP8_TILE, KV_CACHE_DTYPES, kv_row_bytes
 from hisparse_ray.errors import ConfigError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-TILE = 128  # latent values per fp8 scale
+TILE = FP8_TILE  # latent values per fp8 scale
 FP8 = torch.float8_e4m3fn
 _TINY = torch.finfo(torch.float32).tiny
-KV_DTYPES = ("fp32", "bf16", "fp8")
+KV_DTYPES = KV_CACHE_DTYPES
 
 
 def quantize_fp8(x: Tensor, tile: int) -> tuple[Tensor, Tensor]:
@@ -72,12 +73,7 @@ class KVRowCodec:
     rope_dim: int
 
     def __post_init__(self) -> None:
-        if self.kind not in KV_DTYPES:
-            raise ConfigError("kv_cache_dtype", self.kind, f"must resolve to one of {KV_DTYPES}")
-        if self.kind == "fp8" and (self.kv_lora_rank % 4 or self.rope_dim % 2):
-            raise ConfigError("kv_cache_dtype", self.kind,
-                              f"fp8 rows need kv_lora_rank % 4 == 0 and an even rope dim, got "
-                              f"{self.kv_lora_rank} + {self.rope_dim}")
+        kv_row_bytes(self.kind, self.kv_lora_rank, self.rope_dim)  # ConfigError on a bad kind / shape
 
     @property
     def row_dim(self) -> int:
@@ -89,9 +85,7 @@ class KVRowCodec:
 
     @property
     def row_bytes(self) -> int:
-        if self.kind == "fp8":
-            return self.kv_lora_rank + 4 * self.tiles + 2 * self.rope_dim
-        return self.row_dim * (4 if self.kind == "fp32" else 2)
+        return kv_row_bytes(self.kind, self.kv_lora_rank, self.rope_dim)
 
     @property
     def storage_dtype(self) -> torch.dtype | None:

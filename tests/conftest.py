@@ -48,6 +48,21 @@ def ray_cluster():
             num_gpus=_cuda_count(),  # every GPU: two-GPU tests place one rank on each
             include_dashboard=False,
             log_to_driver=True,
+            # ray.util.metrics reach the node's Prometheus port within a second (default 10 s):
+            # the serve metrics test scrapes them
+            _system_config={"metrics_report_interval_ms": 1000},
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def private_shm():
+    """A private directory on /dev/shm's tmpfs for host pool segments (``shm_dir`` /
+    ``ReplicaSpec.host_pool_dir``): what a test finds in it is its own, whatever else runs."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="hs-test-shm-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

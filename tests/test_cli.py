@@ -46,23 +46,9 @@ def test_tp_backend_is_nccl_only_when_no_two_ranks_can_share_a_gpu():
 
 
 def test_serve_options_are_checked_before_anything_starts(capsys):
-    serve = pytest.importorskip("ray.serve")  # noqa: F841
-    from hisparse_ray.serve import build_app
-
-    with pytest.raises(ConfigError, match="bogus"):
-        build_app({"bogus": 1})
-    with pytest.raises(ConfigError, match="num_replicas=0"):
-        build_app({"num_replicas": 0})
-    with pytest.raises(ConfigError, match="max_new_tokens=50"):
-        build_app({"max_new_tokens": 50, "max_new_tokens_limit": 10})
-    with pytest.raises(ConfigError, match="request_timeout_s"):
-        build_app({"request_timeout_s": -1})
-    with pytest.raises(ConfigError, match="top_k"):
-        build_app({"config": {**HiSparseConfig.tiny().to_dict(), "top_k": 64}})
-    with pytest.raises(ConfigError, match="decode_resources"):
-        build_app({"decode_resources": {"decode_node": 0}})
-    app = build_app({"num_replicas": "2", "tp": 1, "device": "cpu"})  # `serve run k=v` strings
-    assert app is not None
+    """(build_openai_app's own checks: tests/serve/test_builder.py) The command prints one line,
+    no traceback, before starting anything."""
+    pytest.importorskip("ray.serve")
     bad = json.dumps({**HiSparseConfig.tiny().to_dict(), "top_k": 64})
     assert cli.main(["serve", "--config", bad]) == 2
     err = capsys.readouterr().err
@@ -88,3 +74,83 @@ def test_model_flag_takes_a_folder_and_a_bad_folder_is_one_line(tmp_path, capsys
     assert err.strip().splitlines()[-1].startswith(
         "hisparse-ray generate: checkpoint model.safetensors.index.json: lm_head.weight: its shard "
         "gone.safetensors is missing") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config, option", [
+    ('{"device_buffer_size": 100000}', "device_blocks=16: must hold one hot buffer"),
+    ('{"top_k": 4, "device_buffer_size": 6}', "top_k=4: must equal the deepseek_v32 model's "
+                                               "index_topk (8)"),
+    ('{"top_k": 16, "device_buffer_size": 16}', "top_k=16"),
+    ('{"host_pool_gib": 100000}', "host_pool_gib=100000: 1 host pool(s) of"),
+])
+def test_sizes_and_the_model_are_checked_before_ray_starts(capsys, config, option):
+    """Issue 15 item 4: ``generate --config '{"device_buffer_size": 100000}'`` printed a 39-line
+    traceback after 11 s, and a hot buffer smaller than the model's top-k failed mid-step. Each
+    is one line naming the key, exit code 2, and Ray never started."""
+    import ray
+
+    started = ray.is_initialized()  # the session cluster of earlier tests, or none
+    assert cli.main(["generate", "--config", config, "--ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hisparse-ray generate: invalid config ") and option in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert ray.is_initialized() == started  # refused before ``ray.init``
+
+
+def test_bad_ids_and_a_tp_that_does_not_divide_the_heads_are_one_line(capsys):
+    for argv, option in ((["--ids", "1,x"], "ids='1,x'"), (["--ids", "5,96"], "ids='5,96'"),
+                         (["--tp", "3", "--ids", "1"], "tp=3: must divide")):
+        assert cli.main(["generate", *argv]) == 2
+        err = capsys.readouterr().err
+        assert option in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_left_out_keys_take_the_built_in_defaults_and_the_pool_size_is_printed(capsys):
+    """Issue 15 item 6: the README's ``--config '{"top_k": 8, "device_buffer_size": 16}'`` made a
+    4 GiB /dev/shm pool (SGLang's production host_pool_gib for the keys left out). Now they
+    take the built-in model's defaults (a 10 MiB pool), and the sizes are printed first."""
+    args = cli.build_parser().parse_args(
+        ["generate", "--config", '{"top_k": 8, "device_buffer_size": 16}', "--ids", "1"])
+    opts, replica, _ = cli.deployment(args)
+    assert opts.config == HiSparseConfig.tiny() and opts.config.host_pool_gib == 0.01
+    out = capsys.readouterr().out
+    assert out.startswith(f"host pool: {replica.num_host_blocks} blocks of 8 tokens = 10.")
+    assert "MiB in /dev/shm (host_pool_gib=0.01); device pool: 16 blocks" in out
+    assert cli.check_host_fits(replica) <= 0.011 * 2**30
+
+
+def test_pool_summary_and_host_fit(tmp_path):
+    from hisparse_ray.deploy import ReplicaSpec
+    from hisparse_ray.host.segment import pool_bytes
+
+    spec = ReplicaSpec(host_pool_dir=str(tmp_path))
+    line = cli.pool_summary(spec)
+    assert line.startswith(f"host pool: {spec.num_host_blocks} blocks of 8 tokens")
+    assert str(tmp_path) in line and "top-k 8" in line
+    one = pool_bytes(spec.layout, spec.num_host_blocks)
+    assert cli.check_host_fits(spec) == one and cli.check_host_fits(spec, 3) == 3 * one
+    with pytest.raises(ConfigError, match=r"host_pool_gib=0.01: 10000000 host pool\(s\) of"):
+        cli.check_host_fits(spec, 10_000_000)
+
+
+def test_a_missing_or_broken_config_file_says_which(capsys, tmp_path):
+    assert cli.main(["generate", "--config", "nope.json", "--ids", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "config='nope.json': no such file" in err and "JSON" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"top_k": 8,')
+    assert cli.main(["demo", "--config", str(bad)]) == 2
+    assert "the file is not readable JSON" in capsys.readouterr().err
+    assert cli.main(["demo", "--config", str(tmp_path)]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    good = tmp_path / "good.json"
+    good.write_text('{"device_buffer_size": 32}')
+    assert cli.options(cli.build_parser().parse_args(["demo", "--config", str(good)])).config \
+        == HiSparseConfig(top_k=8, device_buffer_size=32, host_to_device_ratio=4,
+                          swap_in_block_size=64, host_pool_gib=0.01)
+
+
+def test_the_host_pool_directory_must_exist_on_this_node(capsys, tmp_path):
+    missing = str(tmp_path / "nowhere")
+    assert cli.main(["generate", "--host-pool-dir", missing, "--ids", "1"]) == 2
+    assert f"host_pool_dir='{missing}': must be a directory" in capsys.readouterr().err

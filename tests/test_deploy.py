@@ -34,21 +34,22 @@ def test_one_set_of_defaults_for_every_front_door():
 def test_cli_serve_options_and_python_build_the_same_options():
     flags = cli.options(cli.build_parser().parse_args(
         ["serve", "--tp", "1", "--device-blocks", "12", "--gpus-per-rank", "0.5",
-         "--decode-resources", '{"decode_node": 0.01}', "--config", '{"top_k": 4, '
-         '"device_buffer_size": 16, "swap_in_block_size": 64, "host_pool_gib": 0.01}']))
+         "--decode-resources", '{"decode_node": 0.01}', "--config", '{"top_k": 8, '
+         '"device_buffer_size": 32, "swap_in_block_size": 64, "host_pool_gib": 0.01}']))
     served = DeployOptions.from_dict({"tp": "1", "device_blocks": 12, "gpus_per_rank": "0.5",
                                       "decode_resources": {"decode_node": 0.01},
-                                      "config": {"top_k": 4, "device_buffer_size": 16,
+                                      "config": {"top_k": 8, "device_buffer_size": 32,
                                                  "swap_in_block_size": 64,
                                                  "host_pool_gib": 0.01}})
     python = DeployOptions(tp=1, device_blocks=12, gpus_per_rank=0.5,
                            decode_resources={"decode_node": 0.01},
-                           config=HiSparseConfig(top_k=4, device_buffer_size=16,
-                                                 swap_in_block_size=64, host_pool_gib=0.01))
+                           config=HiSparseConfig(top_k=8, device_buffer_size=32,
+                                                 swap_in_block_size=64, host_pool_gib=0.01,
+                                                 host_to_device_ratio=4))  # the tiny default
     assert flags == served == python
     replica, prefill = python.specs(gpus=1)
     assert (replica.tp_size, replica.num_device_blocks, replica.gpus_per_rank) == (1, 12, 0.5)
-    assert replica.hisparse.top_k == 4 and prefill.model == replica.model
+    assert replica.hisparse.device_buffer_size == 32 and prefill.model == replica.model
 
 
 def test_every_option_is_a_serve_flag_and_demo_takes_the_deployment_ones():
@@ -70,7 +71,7 @@ def test_every_option_is_a_serve_flag_and_demo_takes_the_deployment_ones():
     ("landing_push_with_prefill", "sometimes", "landing_push_with_prefill"),
     ("step_yield_s", 1e-6, "step_yield_s"),
     ("config", '{"top_k": 64, "device_buffer_size": 16}', "top_k"),
-    ("model", "llama", "model='llama': a built-in kind"),
+    ("model", "llama", "model='llama'"),
 ])
 def test_a_bad_option_is_refused_naming_it(key, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -80,7 +81,7 @@ def test_a_bad_option_is_refused_naming_it(key, value, match):
 
 def test_pools_that_cannot_fit_are_refused_before_anything_starts():
     # a 16-slot hot buffer (+ 1 newest slot) of 8-row pages needs 3 device blocks
-    with pytest.raises(ConfigError, match="num_device_blocks=2: must hold one hot buffer"):
+    with pytest.raises(ConfigError, match="config device_blocks=2: must hold one hot buffer"):
         DeployOptions(device_blocks=2)
     with pytest.raises(ConfigError, match="host_pool_gib"):
         DeployOptions(config=HiSparseConfig(top_k=8, device_buffer_size=16,
@@ -157,6 +158,39 @@ def test_landing_shape_builds_and_prefills_with_tp2_divisible_heads():
     assert model.cfg.num_attention_heads % 2 == 0
 
 
+def test_fast_path_and_kv_cache_dtype_options_reach_every_spec():
+    """``fast_path`` / ``kv_cache_dtype`` / ``index_key_dtype``: validated before anything starts,
+    resolved by ``specs()`` (auto: off without a GPU or without FlashMLA, as here), and the KV
+    dtype sizes the replica's rows and the prefill worker's (the same bytes by construction)."""
+    from hisparse_ray.fastpath.config import FastPathConfig, default_buckets
+
+    for key in ("fast_path", "kv_cache_dtype", "index_key_dtype"):
+        with pytest.raises(ConfigError, match=key):
+            DeployOptions.from_dict({key: "fp4"})
+    assert DeployOptions().specs()[0].fast_path is None
+    assert DeployOptions().specs(gpus=1)[0].fast_path is None  # no sm90 FlashMLA in this process
+    replica, prefill = DeployOptions(fast_path="on", kv_cache_dtype="fp8", index_key_dtype="fp8",
+                                     max_batch=12, max_prompt_tokens=1000,
+                                     max_new_tokens_limit=24).specs()
+    assert replica.fast_path == FastPathConfig(max_context=1024, buckets=(1, 2, 4, 8, 12),
+                                               index_key_dtype="fp8")
+    assert default_buckets(1) == (1,) and default_buckets(16) == (1, 2, 4, 8, 16)
+    assert replica.kv_cache_dtype == prefill.kv_cache_dtype == "fp8"
+    assert replica.layout.row_bytes == 68  # tiny: 32 e4m3 + one fp32 scale + 16 bf16 rope values
+    assert ModelSpec(dtype="bfloat16", shape="landing").kv_layout(64, "fp8").row_bytes == 656
+    assert ModelSpec(dtype="bfloat16").kv_layout(8, "fp32").row_bytes == 48 * 4
+    with pytest.raises(ConfigError, match="fast_path.buckets"):
+        ReplicaSpec(max_batch=4, fast_path=FastPathConfig(buckets=(1, 2)))
+    with pytest.raises(ConfigError, match="fast_path"):
+        ReplicaSpec(fast_path="on")
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        PrefillSpec(kv_cache_dtype="int4")
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        ReplicaSpec(kv_cache_dtype="int4")
+    args = cli.build_parser().parse_args(["demo", "--fast-path", "on", "--kv-cache-dtype", "fp8"])
+    assert cli.options(args).specs()[0].layout.row_bytes == 68
+
+
 def test_model_spec_takes_a_model_folder(tmp_path):
     import torch
 
@@ -183,3 +217,47 @@ def test_model_spec_takes_a_model_folder(tmp_path):
         ModelSpec(kind=str(folder))
     with pytest.raises(ConfigError, match="model='no/such/dir'"):
         DeployOptions(model="no/such/dir")
+
+
+def test_a_config_that_does_not_fit_the_model_is_refused_by_every_front_door():
+    """Issue 15 item 4: ``ReplicaSpec`` accepted top_k 4 with a 6-slot hot buffer on a model
+    that selects 8 positions; the ranks then failed mid-step. Every spec and option refuses it,
+    naming top_k, before anything starts."""
+    small = HiSparseConfig(top_k=4, device_buffer_size=6, host_to_device_ratio=4,
+                           swap_in_block_size=64, host_pool_gib=0.01)
+    wide = HiSparseConfig(top_k=16, device_buffer_size=16, host_to_device_ratio=4,
+                          swap_in_block_size=64, host_pool_gib=0.01)
+    for make in (lambda: ReplicaSpec(hisparse=small),
+                 lambda: ReplicaSpec(hisparse=wide, model=ModelSpec(kind="glm_moe_dsa")),
+                 lambda: ReplicaSpec(hisparse=small, model=ModelSpec(shape="landing",
+                                                                      num_layers=2)),
+                 lambda: DeployOptions(config=small),
+                 lambda: DeployOptions.from_dict({"config": {"top_k": 4,
+                                                             "device_buffer_size": 6}})):
+        with pytest.raises(ConfigError) as ei:
+            make()
+        assert ei.value.key == "top_k" and "index_topk (8)" in str(ei.value)
+
+
+def test_keys_left_out_take_the_built_in_defaults_not_sglangs():
+    """Issue 15 item 6: the front doors fill a partial config from ``HiSparseConfig.tiny()`` (the
+    built-in models' sizes); ``HiSparseConfig.from_json`` itself keeps SGLang's defaults."""
+    partial = '{"top_k": 8, "device_buffer_size": 16}'
+    assert load_config(partial) == load_config(json.loads(partial)) == HiSparseConfig.tiny()
+    assert DeployOptions.from_dict({"config": partial}).config.host_pool_gib == 0.01
+    assert HiSparseConfig.from_json(partial).host_pool_gib == 4.0  # SGLang's production default
+    base = HiSparseConfig(top_k=2048, device_buffer_size=4096)
+    assert load_config('{"host_pool_gib": 8}', base) == HiSparseConfig(host_pool_gib=8)
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        load_config("[1, 2]")
+    with pytest.raises(ConfigError, match="must be a HiSparseConfig, a dict"):
+        load_config(7)
+
+
+def test_spec_errors_name_the_option_the_user_gave():
+    with pytest.raises(ConfigError, match="^invalid config tp=3: must divide"):
+        DeployOptions(tp=3)
+    with pytest.raises(ConfigError, match="^invalid config model_layers=0"):
+        DeployOptions(model_layers=0)
+    with pytest.raises(ConfigError, match="^invalid config tp_size=3"):
+        ReplicaSpec(tp_size=3)

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from hisparse_ray.checks import check_bool, check_number
 from hisparse_ray.host.segment import pid_alive as _pid_alive
 
 SHM_DIR = "/dev/shm"
@@ -44,14 +45,15 @@ class WaitPolicy:
     futex: bool = True
     futex_slice_s: float = 2e-3  # bounds a lost wake-up (see ShmRing) and the close check
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.spin_s <= self.yield_s:
-            raise ValueError(f"need 0 <= spin_s <= yield_s, got {self.spin_s}, {self.yield_s}")
-        if not 0 < self.min_sleep_s <= self.max_sleep_s:
-            raise ValueError(f"need 0 < min_sleep_s <= max_sleep_s, got {self.min_sleep_s}, "
-                             f"{self.max_sleep_s}")
-        if not self.futex_slice_s > 0:
-            raise ValueError(f"need futex_slice_s > 0, got {self.futex_slice_s}")
+    def __post_init__(self) -> None:  # ConfigError (a ValueError) naming the field
+        check_number("yield_s", self.yield_s, lo=0, why="seconds")
+        check_number("spin_s", self.spin_s, lo=0, hi=self.yield_s, why="seconds, <= yield_s")
+        check_number("max_sleep_s", self.max_sleep_s, lo=0, lo_open=True, why="seconds")
+        check_number("min_sleep_s", self.min_sleep_s, lo=0, lo_open=True, hi=self.max_sleep_s,
+                     why="seconds, <= max_sleep_s")
+        check_number("liveness_s", self.liveness_s, lo=0, lo_open=True, why="seconds")
+        check_bool("futex", self.futex)
+        check_number("futex_slice_s", self.futex_slice_s, lo=0, lo_open=True, why="seconds")
 
 
 def pid_alive(pid: int) -> bool:

@@ -6,7 +6,7 @@ taken."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hisparse_ray.errors import DuplicateRequestError, StateError, UnknownRequestError
 
@@ -33,6 +33,23 @@ class RequestRecord:
     landing_path: str = ""
     abort_requested: bool = False
     discard: bool = False  # aborted by a caller that will not collect it: drop when done
+    stream: bool = False  # its new tokens are handed out after every step (``RecordBook.fresh``)
+    stop_ids: frozenset = frozenset()  # sampling one of these finishes it ("stop")
+    stopped: bool = False  # finished by a stop id
+    generated: list = field(default_factory=list)  # tokens so far, as the steps report them
+    pushed: int = 0  # of ``generated``: handed to the front end (streams)
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def add_token(self, token: int, now: float) -> float:
+        """A decode step sampled ``token`` at ``now``; returns the time since the previous token
+        (since submission for the first: the time to first token)."""
+        self.generated.append(token)
+        since = self.last_token if self.last_token is not None else self.submitted
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+        return now - since
 
     @property
     def done(self) -> bool:
@@ -53,6 +70,7 @@ class RequestRecord:
             "landing_bytes": self.landing_bytes, "landing_s": self.landing_s,
             "landing_data_s": self.landing_data_s,
             "landing_path": self.landing_path,
+            "ttft_s": (self.first_token - self.submitted) if self.first_token else None,
         }
 
 
@@ -74,6 +92,7 @@ class RecordBook(Mapping):
         self._records: dict[str, RequestRecord] = {}
         self._done: dict[str, None] = {}  # done, not yet dropped, in finish order
         self._gone: dict[str, None] = {}  # dropped ids, oldest first
+        self._fresh: dict[str, None] = {}  # streams with tokens not yet handed out
 
     # Mapping
     def __getitem__(self, rid: str) -> RequestRecord:
@@ -116,6 +135,26 @@ class RecordBook(Mapping):
         if rid in self._done:
             self._drop([rid])
 
+    def token_added(self, rid: str) -> None:
+        """A step added a token to ``rid``'s record; a stream's is handed out by ``take_fresh``."""
+        if self._records[rid].stream:
+            self._fresh[rid] = None
+
+    def has_fresh(self, prefix: str) -> bool:
+        return any(r.startswith(prefix) for r in self._fresh)
+
+    def take_fresh(self, prefix: str) -> dict[str, list[int]]:
+        """The new tokens of every stream whose id starts with ``prefix`` since its last take
+        (done ones included: their summary then holds only what was not handed out yet)."""
+        out = {}
+        for rid in [r for r in self._fresh if r.startswith(prefix)]:
+            del self._fresh[rid]
+            rec = self._records.get(rid)
+            if rec is not None and len(rec.generated) > rec.pushed:
+                out[rid] = rec.generated[rec.pushed:]
+                rec.pushed = len(rec.generated)
+        return out
+
     def ready(self, request_ids: list[str] | None, prefix: str) -> bool:
         """Whether ``take`` would hand over anything."""
         if request_ids is None:
@@ -150,6 +189,7 @@ class RecordBook(Mapping):
         for rid in request_ids:
             if self._records.pop(rid, None) is not None:
                 self._done.pop(rid, None)
+                self._fresh.pop(rid, None)
                 self._gone[rid] = None
         while len(self._gone) > self.memory:
             del self._gone[next(iter(self._gone))]
@@ -159,3 +199,4 @@ class RecordBook(Mapping):
         assert all(r in self._records and self._records[r].done for r in self._done)
         assert all(r in self._done for r, rec in self._records.items() if rec.done)
         assert not any(r in self._records for r in self._gone)
+        assert all(r in self._records and self._records[r].stream for r in self._fresh)

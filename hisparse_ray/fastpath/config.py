@@ -40,8 +40,7 @@ class FastPathConfig:
         "auto" (FlashMLA where it runs, else the reference).
     logits: indexer logits by "deepgemm" (``fp8_paged_mqa_logits``: fp8 keys, 64 x 128 index
         heads, needs ``sgl-deep-gemm``), "reference" (torch), or "auto".
-    cuda_graphs: capture one CUDA graph per bucket (CUDA only; MoE layers, which sync with the
-        host, keep the step eager).
+    cuda_graphs: capture one CUDA graph per bucket (CUDA only; TP needs NCCL to be captured).
     index_pages: pages of the GPU index-key pool (None: every request slot of the rank can hold
         ``max_context`` positions).
     """
@@ -88,3 +87,43 @@ class FastPathConfig:
             if b >= batch:
                 return b
         raise ConfigError("buckets", self.buckets, f"the largest bucket must hold a batch of {batch}")
+
+
+def default_buckets(max_batch: int) -> tuple[int, ...]:
+    """The powers of two below ``max_batch``, then ``max_batch``: (1, 2, 4, 8, 12) for 12."""
+    _pos_int("max_batch", max_batch)
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_batch,)
+
+
+def check_fast_path(fast: object, max_batch: int) -> None:
+    """A deployment's ``fast_path``: a :class:`FastPathConfig` whose largest bucket holds
+    ``max_batch`` (ConfigError naming the key otherwise)."""
+    if not isinstance(fast, FastPathConfig):
+        raise ConfigError("fast_path", fast, "must be a FastPathConfig or None")
+    if fast.max_batch < max_batch:
+        raise ConfigError("fast_path.buckets", fast.buckets,
+                          f"the largest bucket must hold max_batch={max_batch}")
+
+
+def deployment_fast_path(mode: str, gpus_per_rank: float, max_context: int, max_batch: int,
+                         index_key_dtype: str = "auto") -> FastPathConfig | None:
+    """``DeployOptions.fast_path`` ("on" | "off" | "auto") -> the ranks' config (None: the
+    reference path). "auto" is on when the ranks get a GPU and this process can run FlashMLA
+    (sm90, ``sglang-kernel`` importable; checked only then, it imports torch). Buckets:
+    :func:`default_buckets` of ``max_batch``."""
+    if mode not in ("auto", "on", "off"):
+        raise ConfigError("fast_path", mode, "must be one of auto, on, off")
+    if mode == "off" or (mode == "auto" and not (gpus_per_rank > 0 and _kernels_available())):
+        return None
+    return FastPathConfig(max_context=max_context, buckets=default_buckets(max_batch),
+                          index_key_dtype=index_key_dtype)
+
+
+def _kernels_available() -> bool:
+    from hisparse_ray.kernels import flashmla
+
+    return flashmla.available()

@@ -112,13 +112,24 @@ class PagedIndexKeys:
         pages = np.array([self._free.pop() for _ in range(n)], dtype=np.int32)
         self.pages[rid] = pages
         if keys is not None and keys.shape[1]:
-            T = keys.shape[1]
-            if T > n * INDEX_PAGE:
+            try:
+                self.write_positions(rid, 0, keys)
+            except CapacityError:
                 self.free(rid)
-                raise CapacityError("index key positions", T, n * INDEX_PAGE)
-            rows = self.rows_of(rid, torch.arange(T))
-            for l in self.layers:
-                self.write(self.slot[l], rows, keys[l].to(self.device))
+                raise
+
+    def write_positions(self, rid: object, lo: int, keys: Tensor) -> None:
+        """Store ``keys [L, n, D]`` (all model layers, any device and float dtype: a landing's
+        chunk) as positions ``lo..lo+n-1`` of every indexer layer of an installed request."""
+        n = keys.shape[1]
+        room = self.pages[rid].shape[0] * INDEX_PAGE
+        if lo < 0 or lo + n > room:
+            raise CapacityError(f"index key positions of {rid!r}", lo + n, room)
+        if not n:
+            return
+        rows = self.rows_of(rid, torch.arange(lo, lo + n))
+        for l in self.layers:
+            self.write(self.slot[l], rows, keys[l].to(self.device))
 
     def free(self, rid: object) -> None:
         pages = self.pages.pop(rid, None)

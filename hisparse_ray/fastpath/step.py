@@ -4,7 +4,8 @@ over static device buffers, captured in one CUDA graph per batch-size bucket.
 Per layer: norm + MLA projections, the newest KV row encoded (bf16 or fp8 rows) into its write
 row, the indexer's newest key into the paged key pool, the indexer's logits over the pool
 (DeepGEMM's fp8 paged logits or the torch reference), the deterministic top-k
-(:func:`~hisparse_ray.model.indexer.select_topk`), the resolver (hot buffer / host misses /
+(:func:`~hisparse_ray.model.indexer.select_topk`'s rule, computed by
+:func:`~hisparse_ray.fastpath.topk.select_topk_fast`), the resolver (hot buffer / host misses /
 resident rows), sparse MLA attention over the resolved rows (FlashMLA or the torch reference),
 ``W_uv`` + ``o_proj`` (+ the TP all-reduce), the MLP. Then the final norm, ``lm_head`` and argmax.
 Hot-buffer hits and misses are counted on the device.
@@ -14,8 +15,9 @@ run), per anchor layer the resolver's ``out_rows`` and ``plan``, the outputs ``t
 ``logits [Bmax, V]`` fp32, ``hits`` / ``misses [Bmax]``. A bucket's first step runs eagerly (it
 also compiles and warms every kernel), the graph is captured right after and replayed from then
 on: the resolver, FlashMLA and DeepGEMM are all called once before their capture.
-Graphs are used on CUDA when ``cuda_graphs`` is set and every MLP is the dense ``MLP`` (the MoE
-reads routing back to the host) and TP, if any, runs on NCCL; otherwise the same body runs eagerly.
+Graphs are used on CUDA when ``cuda_graphs`` is set and TP, if any, runs on NCCL; otherwise the
+same body runs eagerly. MoE layers run :func:`~hisparse_ray.fastpath.moe.moe_step` (no host sync:
+DeepGEMM's masked grouped GEMMs, or every expert masked), so they are captured too.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from hisparse_ray.fastpath.layer import (
 )
 from hisparse_ray.kernels import deepgemm, flashmla
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
-from hisparse_ray.model.indexer import select_topk
-from hisparse_ray.model.layers import MLP
+from hisparse_ray.fastpath.topk import select_topk_fast
+from hisparse_ray.fastpath.moe import moe_step
+from hisparse_ray.model.layers import MoE
 from hisparse_ray.model.rope import inv_freq_and_scale
 
 
@@ -93,8 +96,6 @@ class FastDecodeStep:
 
     def _capturable(self) -> bool:
         for layer in self.model.model.layers:
-            if type(layer.mlp) is not MLP:
-                return False
             a = layer.self_attn
             if a.tp_size > 1 and dist.get_backend(a.tp_group) != "nccl":
                 return False
@@ -120,7 +121,9 @@ class FastDecodeStep:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g, pool=self._pool):
+                # thread_local: a rank actor's other threads (landings under the executor lock,
+                # NIXL's progress thread, stats calls) may use CUDA while its step thread captures
+                with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                     self._body(bucket)
             except RuntimeError as e:  # a kernel library that cannot be captured: stay eager
                 self.use_graphs, self.capture_error = False, f"{type(e).__name__}: {e}"
@@ -169,9 +172,9 @@ class FastDecodeStep:
                 logits = index_logits(self.logits_kind, self.keys, i, ix, q, w, itable, seq, sched)
                 topk = self.topk_all[self.slot_of[l], :B]
                 if self.topk_override is None:
-                    topk.copy_(select_topk(logits, self.K))
+                    topk.copy_(select_topk_fast(logits, self.K))
                 else:
-                    select_topk(logits, self.K)  # timed, then replaced by the trace
+                    select_topk_fast(logits, self.K)  # timed, then replaced by the trace
                     topk.copy_(torch.where(valid[:, None], self.topk_override[l][:B], -1))
                 kernels.resolve(
                     top_k=topk, seq_lens=seq, state_idx=state, slot_pos=rt.slot_pos[l], lru=rt.lru[l],
@@ -186,7 +189,8 @@ class FastDecodeStep:
             else:
                 out = attend_reference(attn, q_full, rt.device_kv[l], out_rows, valid, codec)
             h = h + out
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            h = h + (moe_step(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
         logits = model.lm_head(model.model.norm(h)).float()
         self.logits[:B].copy_(logits)
         self.tokens[:B].copy_(logits.argmax(-1))

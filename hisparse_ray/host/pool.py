@@ -24,9 +24,9 @@ from hisparse_ray.errors import HostPoolError
 from hisparse_ray.host.segment import (  # noqa: F401  (re-exported: the pool's public surface)
     CREATING, DEFAULT_PREFIX, EVENT_OFFSET, EVENT_SLOT, HEADER_BYTES, HEADER_STRUCT, MAGIC,
     MAX_POOL_FRACTION, MAX_REGISTER_BYTES, READY, REGISTER_FLAGS, SEQ_OFFSET, SHM_DIR, STATE_OFFSET,
-    VERSION, HostSharing, cleanup_stale, layer_stride, list_segments, mem_available_bytes,
-    physical_pool_bytes, pool_bytes, prefault, proc_stat, read_header, register_chunks,
-    unlink_quiet,
+    VERSION, HostSharing, cleanup_stale, fit_problem, layer_stride, list_segments,
+    mapped_segments, mem_available_bytes, physical_pool_bytes, pool_bytes, prefault, proc_stat,
+    read_header, register_chunks, unlink_quiet,
 )
 from hisparse_ray.host.sync import IpcEventRing, SharedCounter, spin_until
 
@@ -48,7 +48,12 @@ class HostPool:
     """A mapped host pool segment; build it with :meth:`create` (rank 0) or :meth:`attach` (peers).
 
     Lifecycle: created (owner: header CREATING -> READY, pre-faulted, registered) -> mapped by peers
-    -> peers ``close()`` -> owner ``destroy()`` (unregister + unlink). Views handed out by
+    -> owner ``unlink()`` (the name leaves the directory; the mappings keep the memory) -> peers
+    ``close()`` -> owner ``destroy()`` (unregister + unlink if not done). Unlinking as soon as
+    every peer attached is what a replica does (``actors/launch.py``): from then on no exit path,
+    SIGKILL of every rank included, can leave the segment behind, since the kernel frees an
+    unlinked tmpfs file with its last mapping. Until then a crash leaves a segment that the next
+    ``create`` of the same prefix removes (its owner pid is dead). Views handed out by
     :meth:`layer` keep the mapping alive after close (plain, unpinned memory then); CUDA aliases
     from :meth:`device_layer` / :meth:`device_stacked` are valid only until close.
 
@@ -65,6 +70,7 @@ class HostPool:
         (_, _, _, num_layers, page_size, row_bytes, row_given, num_blocks, stride, total, _, _,
          kv_dtype, _, _) = header
         self.name, self.path, self.is_owner = name, path, owner
+        self.unlinked = False  # the owner removed the name (``unlink``); the memory lives on
         self.layout = KVLayout(num_layers=num_layers, kv_dtype=kv_dtype.rstrip(b"\0").decode(),
                                page_size=page_size, row_bytes=row_bytes if row_given else None)
         self.num_blocks, self.layer_stride, self.nbytes = num_blocks, stride, total
@@ -111,15 +117,12 @@ class HostPool:
         register = torch.cuda.is_available() if register_cuda is None else bool(register_cuda)
         cleanup_stale(prefix, shm_dir)
         stride, total = layer_stride(layout, num_blocks), pool_bytes(layout, num_blocks)
-        avail = mem_available_bytes()
-        if total > MAX_POOL_FRACTION * avail:
-            raise HostPoolError(
-                f"host pool of {total} bytes ({total / GIB:.2f} GiB) exceeds "
-                f"{MAX_POOL_FRACTION:.0%} of available memory ({avail} bytes, {avail / GIB:.2f} GiB)")
-        st = os.statvfs(shm_dir)
-        if total > st.f_bavail * st.f_frsize:
-            free = st.f_bavail * st.f_frsize
-            raise HostPoolError(f"host pool of {total} bytes does not fit {shm_dir} ({free} bytes free)")
+        try:
+            why = fit_problem(total, shm_dir)
+        except OSError as e:
+            raise HostPoolError(f"cannot use {shm_dir} for a host pool: {e}") from None
+        if why:
+            raise HostPoolError(f"host pool of {total} bytes ({total / GIB:.2f} GiB) {why}")
         name = f"{prefix}.{replica_id}.{secrets.token_hex(4)}"
         path = os.path.join(shm_dir, name)
         try:
@@ -313,6 +316,15 @@ class HostPool:
             mm.close()
         except BufferError:
             pass  # caller-held views still export the buffer; unmapped when they are freed
+
+    def unlink(self) -> None:
+        """Owner: remove the segment's name from its directory, once every peer that will ever
+        ``attach`` has (attaching needs the name). The memory stays mapped and shared by every
+        process that mapped it and goes back to the kernel with the last mapping, however the
+        processes end. Idempotent; the pool keeps working; ``destroy`` still closes it."""
+        self._check_owner("unlink")
+        unlink_quiet(self.path)
+        self.unlinked = True
 
     def destroy(self) -> None:
         """Owner: close and unlink the segment (peers' mappings stay valid until they close)."""

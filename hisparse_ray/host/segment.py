@@ -73,6 +73,21 @@ def mem_available_bytes() -> int:
     raise HostPoolError("MemAvailable not found in /proc/meminfo")
 
 
+def fit_problem(nbytes: int, shm_dir: str = SHM_DIR) -> str | None:
+    """Why ``nbytes`` of host pool cannot be made in ``shm_dir`` on this node now (more than 95 %
+    of MemAvailable, or more than the directory's free space), or None when it fits: the rule
+    ``HostPool.create`` enforces, for front doors to check before anything starts. OSError when
+    ``shm_dir`` is not there."""
+    st = os.statvfs(shm_dir)
+    avail, free = mem_available_bytes(), st.f_bavail * st.f_frsize
+    if nbytes > MAX_POOL_FRACTION * avail:
+        return (f"exceeds {MAX_POOL_FRACTION:.0%} of available memory ({avail} bytes, "
+                f"{avail / GIB:.2f} GiB)")
+    if nbytes > free:
+        return f"does not fit {shm_dir} ({free} bytes, {free / GIB:.2f} GiB free)"
+    return None
+
+
 def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks) of a live pid, None if it does not exist."""
     try:
@@ -112,6 +127,29 @@ def list_segments(prefix: str = DEFAULT_PREFIX, shm_dir: str = SHM_DIR) -> list[
         return sorted(n for n in os.listdir(shm_dir) if n.startswith(prefix + "."))
     except FileNotFoundError:
         return []
+
+
+def mapped_segments(pid: int | str = "self", prefix: str = DEFAULT_PREFIX,
+                    shm_dir: str = SHM_DIR) -> dict[str, int]:
+    """Segments of ``prefix`` in ``shm_dir`` that process ``pid`` maps, unlinked ones included
+    (a replica's pool is unlinked once its ranks attached, so it is no longer listed in the
+    directory): name -> bytes mapped, from ``/proc/<pid>/maps``. Empty if the process is gone."""
+    head = os.path.join(shm_dir, prefix + ".")
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith(head):
+            continue
+        path = parts[5].rstrip("\n").removesuffix(" (deleted)")
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        name = os.path.basename(path)
+        out[name] = out.get(name, 0) + hi - lo
+    return out
 
 
 def cleanup_stale(prefix: str = DEFAULT_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hisparse_ray.errors import StateError
-from hisparse_ray.types import LandingDest, RankEndpoint, RankLandingStep
+from hisparse_ray.types import LandingDest, RankEndpoint, RankLandingStep, SamplingParams
 
 
 def group_notif(notif: bytes, group: int, groups: int) -> bytes:
@@ -58,7 +58,8 @@ def chunk_pages(pages: Sequence[int], capacity: int, in_flight: int = 2) -> list
 def plan_chunk(request_id: str, num_positions: int, page_size: int, path: str,
                block: dict[int, int], part: tuple, run: tuple, chunk: int, last: bool,
                capacity: int, endpoints: Sequence[RankEndpoint], *, timeout_s: float,
-               layer_groups: int = 1) -> tuple[list[LandingDest], list[RankLandingStep]]:
+               layer_groups: int = 1, sampling: SamplingParams | None = None
+               ) -> tuple[list[LandingDest], list[RankLandingStep]]:
     """The WRITEs and the per-rank steps of one landing chunk (pure; the lander issues them).
 
     ``path``: "resident" (KV into every rank's device blocks), "direct" (rank 0's host blocks)
@@ -67,7 +68,8 @@ def plan_chunk(request_id: str, num_positions: int, page_size: int, path: str,
     chunk's pages; ``run``: its staging run (page ``part[j]`` -> staging block ``run[j]``), or ()
     when the chunk leases none. With key staging on the ranks and a run, every rank also gets
     the indexer keys of all the chunk's positions. Returns one ``LandingDest`` per rank that is
-    written and one ``RankLandingStep`` per rank (in endpoint order)."""
+    written and one ``RankLandingStep`` per rank (in endpoint order); rank 0's step of the last
+    chunk carries ``sampling`` (rank 0 samples)."""
     T, P = num_positions, page_size
     slot = {page: run[j] for j, page in enumerate(part)} if run else {}
     kv = [(page, block[page]) for page in part if page in block]
@@ -106,7 +108,7 @@ def plan_chunk(request_id: str, num_positions: int, page_size: int, path: str,
         steps.append(RankLandingStep(
             request_id, T, capacity, timeout_s, notif, unstage,
             host_written=r == 0 and path == "direct" and bool(kv), keys=keys, last=last,
-            layer_groups=groups))
+            layer_groups=groups, sampling=sampling if last and r == 0 else None))
     return dests, steps
 
 

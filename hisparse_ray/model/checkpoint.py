@@ -110,6 +110,8 @@ class Checkpoint:
         except KeyError as err:
             raise CheckpointError("config.json", str(err.args[0]), "required key missing") from None
         except ConfigError as err:
+            if err.value is None:  # a required key the folder's config.json does not have
+                raise CheckpointError("config.json", err.key, "required key missing") from None
             raise CheckpointError("config.json", err.key, f"{err.value!r}: {err.allowed}") from None
         self.num_mtp_layers = int(self.hf_config.get("num_nextn_predict_layers") or 0)
         self._tensors = self._read_tables()

@@ -19,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hisparse_ray.checks import (
+    check_bool, check_choice, check_int, check_number, check_optional_number, check_type, is_int,
+)
 from hisparse_ray.errors import ConfigError
 
 KINDS = ("deepseek_v32", "glm_moe_dsa")
@@ -40,8 +43,18 @@ class RopeConfig:
     truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "yarn"):
-            raise ConfigError("rope_type", self.rope_type, "one of 'default', 'yarn'")
+        check_choice("rope_type", self.rope_type, ("default", "yarn"))
+        check_number("rope_theta", self.theta, lo=0, lo_open=True)
+        check_optional_number("factor", self.factor, lo=0, lo_open=True)
+        if self.original_max_position_embeddings is not None:
+            check_int("original_max_position_embeddings", self.original_max_position_embeddings,
+                      lo=1)
+        check_number("beta_fast", self.beta_fast, lo=0, lo_open=True)
+        check_number("beta_slow", self.beta_slow, lo=0, lo_open=True)
+        check_optional_number("mscale", self.mscale)
+        check_optional_number("mscale_all_dim", self.mscale_all_dim)
+        check_optional_number("attention_factor", self.attention_factor, lo=0, lo_open=True)
+        check_bool("truncate", self.truncate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,21 +96,37 @@ class DSAConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError("kind", self.kind, f"one of {KINDS}")
-        L = self.num_hidden_layers
-        if len(self.mlp_layer_types) != L or set(self.mlp_layer_types) - {"dense", "sparse"}:
-            raise ConfigError("mlp_layer_types", self.mlp_layer_types, f"{L} entries of 'dense'/'sparse'")
-        if len(self.indexer_types) != L or set(self.indexer_types) - {"full", "shared"}:
-            raise ConfigError("indexer_types", self.indexer_types, f"{L} entries of 'full'/'shared'")
-        if L and self.indexer_types[0] != "full":
-            raise ConfigError("indexer_types", self.indexer_types, "layer 0 must be 'full'")
+        check_choice("kind", self.kind, KINDS)
+        for key in _POSITIVE_INTS:
+            check_int(key, getattr(self, key), lo=1)
+        check_int("n_shared_experts", self.n_shared_experts, lo=0)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError("qk_rope_head_dim", self.qk_rope_head_dim,
+                              "must be even (rope rotates pairs of values)")
         if self.index_head_dim < self.qk_rope_head_dim:
-            raise ConfigError("index_head_dim", self.index_head_dim, f">= qk_rope_head_dim {self.qk_rope_head_dim}")
-        if self.n_routed_experts % self.n_group:
-            raise ConfigError("n_group", self.n_group, f"must divide n_routed_experts {self.n_routed_experts}")
-        if self.index_topk < 1:
-            raise ConfigError("index_topk", self.index_topk, ">= 1")
+            raise ConfigError("index_head_dim", self.index_head_dim,
+                              f"must be >= qk_rope_head_dim ({self.qk_rope_head_dim})")
+        E, G = self.n_routed_experts, self.n_group
+        if E % G:
+            raise ConfigError("n_group", G, f"must divide n_routed_experts ({E})")
+        check_int("topk_group", self.topk_group, lo=1, hi=G, why=f"groups kept of n_group={G}")
+        check_int("num_experts_per_tok", self.num_experts_per_tok, lo=1,
+                  hi=self.topk_group * (E // G),
+                  why=f"experts of the topk_group={self.topk_group} kept groups of {E // G}")
+        check_number("routed_scaling_factor", self.routed_scaling_factor, lo=0, lo_open=True)
+        check_number("rms_norm_eps", self.rms_norm_eps, lo=0, lo_open=True)
+        for key in ("norm_topk_prob", "attention_bias", "tie_word_embeddings"):
+            check_bool(key, getattr(self, key))
+        check_type("rope", self.rope, RopeConfig)
+        L = self.num_hidden_layers
+        for key, allowed in (("mlp_layer_types", ("dense", "sparse")),
+                             ("indexer_types", ("full", "shared"))):
+            v = getattr(self, key)
+            if not isinstance(v, tuple) or len(v) != L or set(v) - set(allowed):
+                raise ConfigError(key, v, f"must be a tuple of {L} entries of "
+                                          f"{' / '.join(map(repr, allowed))}")
+        if self.indexer_types[0] != "full":
+            raise ConfigError("indexer_types", self.indexer_types, "layer 0 must be 'full'")
 
     @property
     def row_dim(self) -> int:
@@ -122,83 +151,123 @@ class DSAConfig:
         return replace(self, **changes)
 
 
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts",
+    "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings",
+)
+_REQUIRED = object()
+
+
+def _hf(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, kind: str = "int") -> Any:
+    """HF key ``key`` of ``d`` as an int / float / bool (``kind``): ConfigError naming the key
+    when it is missing (and has no default) or has the wrong type; ranges are DSAConfig's."""
+    value = d.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(key, None, f"a required key of a {d.get('model_type')} config")
+        return default
+    if kind == "int":
+        if is_int(value) or (isinstance(value, float) and value.is_integer()):
+            return int(value)
+        raise ConfigError(key, value, "must be an integer")
+    if kind == "float":
+        if is_int(value) or isinstance(value, float):
+            return float(value)
+        raise ConfigError(key, value, "must be a number")
+    return check_bool(key, value)
+
+
 def indexer_types_from_hf(d: dict[str, Any], L: int) -> tuple[str, ...]:
     """GLM index sharing from HF config keys: ``indexer_types``, else ``index_topk_pattern``, else the
-    ``index_topk_freq`` / ``index_skip_topk_offset`` rule (all ``"full"`` when none is given)."""
+    ``index_topk_freq`` / ``index_skip_topk_offset`` rule (all ``"full"`` when none is given).
+    A pattern of another length than ``L`` layers, or with letters other than F / S, raises
+    ConfigError naming ``index_topk_pattern``."""
     if d.get("indexer_types") is not None:
-        return tuple(d["indexer_types"])
+        types = d["indexer_types"]
+        return tuple(types) if isinstance(types, (list, tuple)) else types  # DSAConfig says why
     pattern = d.get("index_topk_pattern")
     if pattern is not None:
-        if isinstance(pattern, str):
-            return tuple({"F": "full", "S": "shared"}[c] for c in pattern)
-        return tuple(pattern)
-    freq = max(int(d.get("index_topk_freq", 1)), 1)
-    offset = int(d.get("index_skip_topk_offset", 2))
+        letters = {"F": "full", "S": "shared"}
+        if isinstance(pattern, str) and len(pattern) == L and set(pattern) <= set(letters):
+            return tuple(letters[c] for c in pattern)
+        if isinstance(pattern, (list, tuple)) and len(pattern) == L and \
+                set(pattern) <= {"full", "shared"}:
+            return tuple(pattern)
+        raise ConfigError("index_topk_pattern", pattern,
+                          f"must give each of the {L} layers 'F' (full) or 'S' (shared): a string "
+                          f"like 'FSFS' or a list of 'full' / 'shared'")
+    freq = _hf(d, "index_topk_freq", 1)
+    if freq < 1:
+        raise ConfigError("index_topk_freq", freq, "must be an integer >= 1")
+    offset = _hf(d, "index_skip_topk_offset", 2)
     return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L))
 
 
 def _rope(d: dict[str, Any]) -> RopeConfig:
-    rp = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(rp, dict):
+        raise ConfigError("rope_parameters", rp, "must be a dict (or absent)")
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+    theta = _hf(rp, "rope_theta", None, kind="float")
+    theta = _hf(d, "rope_theta", 10000.0, kind="float") if theta is None else theta
     if rope_type == "default":
-        return RopeConfig("default", float(theta))
+        return RopeConfig("default", theta)
     return RopeConfig(
         rope_type=rope_type,
-        theta=float(theta),
-        factor=rp.get("factor"),
-        original_max_position_embeddings=rp.get(
-            "original_max_position_embeddings", d.get("max_position_embeddings")
-        ),
-        beta_fast=float(rp.get("beta_fast") or 32),
-        beta_slow=float(rp.get("beta_slow") or 1),
-        mscale=rp.get("mscale"),
-        mscale_all_dim=rp.get("mscale_all_dim"),
-        attention_factor=rp.get("attention_factor"),
-        truncate=bool(rp.get("truncate", True)),
+        theta=theta,
+        factor=_hf(rp, "factor", None, kind="float"),
+        original_max_position_embeddings=_hf(
+            rp, "original_max_position_embeddings", _hf(d, "max_position_embeddings", None)),
+        beta_fast=_hf(rp, "beta_fast", 32.0, kind="float") or 32.0,
+        beta_slow=_hf(rp, "beta_slow", 1.0, kind="float") or 1.0,
+        mscale=_hf(rp, "mscale", None, kind="float"),
+        mscale_all_dim=_hf(rp, "mscale_all_dim", None, kind="float"),
+        attention_factor=_hf(rp, "attention_factor", None, kind="float"),
+        truncate=_hf(rp, "truncate", True, kind="bool"),
     )
 
 
 def config_from_hf(d: dict[str, Any]) -> DSAConfig:
-    """Parse a HF ``config.json`` dict (or ``PreTrainedConfig.to_dict()``) of either model type."""
+    """Parse a HF ``config.json`` dict (or ``PreTrainedConfig.to_dict()``) of either model type.
+    A missing key, a value of the wrong type and every value :class:`DSAConfig` refuses raise
+    ConfigError naming the key."""
+    if not isinstance(d, dict):
+        raise ConfigError("config", d, "must be a dict (a parsed config.json)")
     kind = d.get("model_type")
-    if kind not in KINDS:
-        raise ConfigError("model_type", kind, f"one of {KINDS}")
-    L = int(d["num_hidden_layers"])
+    check_choice("model_type", kind, KINDS)
+    L = check_int("num_hidden_layers", _hf(d, "num_hidden_layers"), lo=1)
     mlp = d.get("mlp_layer_types")
     if mlp is None:
-        n_dense = min(int(d.get("first_k_dense_replace", 3)), L)
+        n_dense = _hf(d, "first_k_dense_replace", 3)
+        if n_dense < 0:
+            raise ConfigError("first_k_dense_replace", n_dense, "must be an integer >= 0")
+        n_dense = min(n_dense, L)
         mlp = ["dense"] * n_dense + ["sparse"] * (L - n_dense)
+    experts = "n_routed_experts" if d.get("n_routed_experts") is not None else "num_local_experts"
+    ints = {k: _hf(d, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+        "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+        "num_experts_per_tok")}
     return DSAConfig(
         kind=kind,
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        moe_intermediate_size=int(d["moe_intermediate_size"]),
         num_hidden_layers=L,
-        num_attention_heads=int(d["num_attention_heads"]),
-        q_lora_rank=int(d["q_lora_rank"]),
-        kv_lora_rank=int(d["kv_lora_rank"]),
-        qk_nope_head_dim=int(d["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(d["qk_rope_head_dim"]),
-        v_head_dim=int(d["v_head_dim"]),
-        index_n_heads=int(d["index_n_heads"]),
-        index_head_dim=int(d["index_head_dim"]),
-        index_topk=int(d["index_topk"]),
-        n_routed_experts=int(d.get("n_routed_experts") or d.get("num_local_experts")),
-        n_shared_experts=int(d.get("n_shared_experts", 1)),
-        num_experts_per_tok=int(d["num_experts_per_tok"]),
-        n_group=int(d.get("n_group", 1)),
-        topk_group=int(d.get("topk_group", 1)),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-        mlp_layer_types=tuple(mlp),
+        **ints,
+        n_routed_experts=_hf(d, experts),
+        n_shared_experts=_hf(d, "n_shared_experts", 1),
+        n_group=_hf(d, "n_group", 1),
+        topk_group=_hf(d, "topk_group", 1),
+        routed_scaling_factor=_hf(d, "routed_scaling_factor", 1.0, kind="float"),
+        norm_topk_prob=_hf(d, "norm_topk_prob", True, kind="bool"),
+        rms_norm_eps=_hf(d, "rms_norm_eps", 1e-6, kind="float"),
+        max_position_embeddings=_hf(d, "max_position_embeddings", 4096),
+        mlp_layer_types=tuple(mlp) if isinstance(mlp, (list, tuple)) else mlp,
         indexer_types=indexer_types_from_hf(d, L),
         rope=_rope(d),
-        attention_bias=bool(d.get("attention_bias", False)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=_hf(d, "attention_bias", False, kind="bool"),
+        tie_word_embeddings=_hf(d, "tie_word_embeddings", False, kind="bool"),
     )
 
 

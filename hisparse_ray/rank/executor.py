@@ -25,12 +25,12 @@ CPU both in the same report.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from hisparse_ray.checks import check_int, check_number
 from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.errors import ConfigError, StateError
 from hisparse_ray.fastpath.config import FastPathConfig
@@ -40,20 +40,11 @@ from hisparse_ray.host.copies import CopyHandle, backup_rows, fill_rows, restore
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.cache import IndexerKeyCache
 from hisparse_ray.rank.runtime import HiSparseCacheHandle, HiSparseRuntime
-from hisparse_ray.types import NO_BLOCK, Admission, RequestId, StepCommand, StepReport, TransferKind
+from hisparse_ray.rank.sampler import Sampler
+from hisparse_ray.types import (
+    NO_BLOCK, Admission, RequestId, SamplingParams, StepCommand, StepReport, TransferKind,
+)
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """temperature 0 = greedy; otherwise softmax(logits / temperature) sampled with a generator
-    seeded from ``seed`` (so a request samples the same tokens in every mode and on every run)."""
-
-    temperature: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ConfigError("temperature", self.temperature, "must be >= 0 (0 = greedy)")
 
 
 class Row(NamedTuple):
@@ -65,17 +56,7 @@ class Row(NamedTuple):
     hot_blocks: tuple[int, ...] | None
 
 
-class _Sampler:
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
-        self.gen = torch.Generator(device="cpu")
-        self.gen.manual_seed(params.seed)
-
-    def __call__(self, logits: Tensor) -> int:
-        if self.params.temperature == 0.0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+__all__ = ["HiSparseWorker", "Row", "SamplingParams"]  # SamplingParams lives in types (the wire)
 
 
 class HiSparseWorker:
@@ -91,6 +72,10 @@ class HiSparseWorker:
     the model's dtype); ``layout`` must use its row bytes.
     fast: run batches through the fast decode step (:mod:`hisparse_ray.fastpath`): batched, paged
     GPU index keys, library kernels where they run, CUDA graphs; None = the reference path.
+    hot_counts_every: on the reference path rank 0 accumulates each request's hot-buffer hits and
+    misses on the device and reads them back (one sync) every this many steps and before it drops
+    released requests, reporting them in ``StepReport.hits_by_request``; peers never read them
+    (1: every step; the CPU's "device" is the host, so there a read costs nothing).
 
     ``handles`` maps the commands' request handles to request ids (defined and released by the
     commands); ``on_logits(rows, logits [B, V])``, when set, sees every forward's rows (``Row``)
@@ -112,10 +97,12 @@ class HiSparseWorker:
         host_wait_s: float = 60.0,
         kv_codec: Any = None,
         fast: FastPathConfig | None = None,
+        hot_counts_every: int = 1,
     ) -> None:
         self.model, self.cfg, self.layout, self.pool, self.rank = model, cfg, layout, pool, rank
         self.device = torch.device(device)
         mcfg = model.cfg
+        cfg.check_model(mcfg.index_topk, model=f"the {mcfg.kind} model")
         L = mcfg.num_hidden_layers
         if L != layout.num_layers:
             raise ConfigError("num_layers", layout.num_layers, f"must equal the model's {L} layers")
@@ -129,18 +116,21 @@ class HiSparseWorker:
         self.fast = None if fast is None else FastExecutor(
             model, self.runtime, self.handle.codec, fast, block_threads=cfg.swap_in_block_size)
         self.index: dict[RequestId, IndexerKeyCache] = {}
-        self.samplers: dict[RequestId, _Sampler] = {}
+        self.samplers: dict[RequestId, Sampler] = {}  # rank 0; absent = greedy
         self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
         self.batch_invariant = batch_invariant
-        self.host_wait_s = host_wait_s
+        self.host_wait_s = check_number("host_wait_s", host_wait_s, lo=0, lo_open=True,
+                                        why="seconds")
         self.handles: dict[int, RequestId] = {}
         self._host_seq = 0  # the host-pool generation this rank's stream last waited for
         # every page copy of this rank runs here (CUDA), off the compute stream
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.hot_counts_every = check_int("hot_counts_every", hot_counts_every, lo=1)
+        self._steps_uncounted = 0  # reference-path forwards since rank 0 last read the hot counts
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
         self.on_logits: Any = None  # on_logits(rows, logits [B, V]) after each forward
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
-                         "backups": 0}
+                         "backups": 0, "fast_steps": 0}
 
     def _host_view(self, l: int) -> Tensor:
         """The host layer as the resolver reads it: the UVA alias on GPU, the mapping on CPU."""
@@ -156,12 +146,26 @@ class HiSparseWorker:
 
     # -- admission-time state ------------------------------------------------------------------
     def set_sampling(self, rid: RequestId, params: SamplingParams) -> None:
-        self.samplers[rid] = _Sampler(params)
+        """How ``rid`` samples (rank 0; before its first step). Greedy needs no call."""
+        if params.greedy:
+            self.samplers.pop(rid, None)
+        else:
+            self.samplers[rid] = Sampler(params)
+
+    def forget(self, rid: RequestId) -> None:
+        """Drop what a landing installed for ``rid`` (keys, sampler): it will never decode;
+        nothing if none is installed."""
+        self.index.pop(rid, None)
+        self.samplers.pop(rid, None)
+        if self.fast is not None:
+            self.fast.release(rid)
 
     def install_index_keys(self, rid: RequestId, keys: Tensor | None, capacity: int) -> None:
-        """The prefix's indexer keys ``[L, T, d]`` (dense, device-resident, model-owned; paged in
-        the GPU pool on the fast path)."""
+        """Room for ``capacity`` positions of a request's indexer keys, holding the prefix's keys
+        ``[L, T, d]`` if given (dense, device-resident, model-owned; paged in the GPU pool on the
+        fast path). Replaces keys installed before for ``rid``."""
         if self.fast is not None:
+            self.fast.release(rid)
             self.fast.install(rid, keys, capacity)
             return
         mcfg = self.model.cfg
@@ -171,6 +175,26 @@ class HiSparseWorker:
             cache.keys[:, : keys.shape[1]] = keys.to(self.device, self.model.dtype)
             cache.length = keys.shape[1]
         self.index[rid] = cache
+
+    def has_index_keys(self, rid: RequestId) -> bool:
+        return rid in (self.fast.keys.pages if self.fast is not None else self.index)
+
+    def write_index_keys(self, rid: RequestId, lo: int, raw: Tensor) -> None:
+        """A landing chunk's keys: ``raw [L, n, d * itemsize]`` uint8, the model dtype's bytes
+        (the landing wire format), become positions ``lo..lo+n-1`` of an installed request (on
+        the fast path encoded into the paged pool's key dtype)."""
+        keys = raw.view(self.model.dtype)
+        if self.fast is not None:
+            self.fast.keys.write_positions(rid, lo, keys)
+            return
+        cache = self.index[rid]
+        cache.keys[:, lo:lo + keys.shape[1]] = keys.to(cache.keys.device, cache.keys.dtype)
+
+    def set_index_length(self, rid: RequestId, length: int) -> None:
+        """The landing ended: positions ``0..length-1`` hold keys (the paged pool needs no
+        length: each step masks at the row's ``seq_len``)."""
+        if self.fast is None:
+            self.index[rid].length = length
 
     def land_local(self, adm: Admission, kv_rows: Tensor) -> None:
         """In-process landing: write ``kv_rows [L, T, row_dim]`` of positions ``0..T-1`` into the
@@ -198,10 +222,16 @@ class HiSparseWorker:
     # -- one step ------------------------------------------------------------------------------
     def execute(self, cmd: StepCommand) -> StepReport:
         rt, names = self.runtime, self.handles
+        released: list[RequestId] = []
         for h in cmd.released:
             rid = names.pop(h, None)
             if rid is None:
                 raise StateError(f"step {cmd.step} releases handle {h}, which names no request")
+            released.append(rid)
+        counts: dict[RequestId, tuple[int, int]] = {}
+        if self.writer and any(rid in rt.requests for rid in released):
+            self._take_hot_counts(counts)  # a released request's last counts go out first
+        for rid in released:
             if rid in rt.requests:
                 rt.remove(rid)
             self.index.pop(rid, None)
@@ -227,22 +257,29 @@ class HiSparseWorker:
         # measured on the H200 at 4.6x (spill) / 2.8x (restore) the per-layer memcpy path.
         wrote = self._enqueue_transfers(cmd, enqueued)
         sampled: tuple = ()
-        per_request: list[tuple[RequestId, int, int]] = []
         rows = [Row(self._name(cmd, r.handle), r.seq_len, r.input_token, r.hot_blocks)
                 for r in cmd.batch]
         fast = self.fast is not None and self.trace is None and bool(rows)
         if rows:
             for handle in (h for _, h in self._pending):
                 handle.order_before()
-            sampled, per_request = self._forward(cmd, rows, enqueued)
+            sampled, fast_counts = self._forward(cmd, rows, enqueued)
+            for rid, h, m in fast_counts:  # the fast step reads its own (with its tokens)
+                counts[rid] = (h, m)
+            if not fast:
+                self._steps_uncounted += 1
+                if self.writer and self._steps_uncounted >= self.hot_counts_every:
+                    self._take_hot_counts(counts)
         if cmd.backups and not fast:  # the fast path enqueued them while its step ran
             self._enqueue_backups(cmd, enqueued)
         if wrote or (cmd.backups and self.writer):
             # one generation per step, its event after every copy of the step
             self.pool.publish(self.copy_stream)
+        per_request = [(rid, h, m) for rid, (h, m) in counts.items()]
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
         self.counters["steps"] += 1
+        self.counters["fast_steps"] += fast
         self.counters["hot_hits"] += hits
         self.counters["hot_misses"] += misses
         return StepReport(
@@ -257,6 +294,13 @@ class HiSparseWorker:
         if rid is None:
             raise StateError(f"step {cmd.step} names handle {handle}, which no command defined")
         return rid
+
+    def _take_hot_counts(self, into: dict[RequestId, tuple[int, int]]) -> None:
+        """(rank 0) Add the hot counts accumulated on the device since the last read to ``into``."""
+        for rid, (h, m) in self.runtime.take_hot_counts().items():
+            h0, m0 = into.get(rid, (0, 0))
+            into[rid] = (h0 + h, m0 + m)
+        self._steps_uncounted = 0
 
     def _enqueue_backups(self, cmd: StepCommand, enqueued: list[int]) -> None:
         """The newest rows of host-tier requests, device -> host on the copy stream (after the
@@ -342,7 +386,6 @@ class HiSparseWorker:
         # this makes a request's logits independent of what else the scheduler batched with it.
         groups = [(r,) for r in batch] if self.batch_invariant else [batch]
         parts: list[Tensor] = []
-        per_request: list[tuple[RequestId, int, int]] = []
         for rows in groups:
             caches = [self._index_cache(r.request_id, r.seq_len) for r in rows]
             rt.begin_step(rows)
@@ -352,8 +395,8 @@ class HiSparseWorker:
             pos = torch.tensor([r.seq_len - 1 for r in rows], dtype=torch.int64, device=self.device)
             hook = self.trace.hook if self.trace is not None else None
             parts.append(self.model.decode(ids, pos, self.handle, caches, topk_hook=hook))
-            hits, misses = rt.hot_counts()
-            per_request += [(r.request_id, h, m) for r, h, m in zip(rows, hits, misses)]
+            if self.writer:  # on the device; read every hot_counts_every steps (execute)
+                rt.accumulate_hot_counts()
         logits = torch.cat(parts)
         if self.on_logits is not None:
             self.on_logits(batch, logits)
@@ -365,7 +408,7 @@ class HiSparseWorker:
                 sampler = self.samplers.get(r.request_id)
                 toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
             sampled = tuple((r.request_id, t) for r, t in zip(batch, toks))
-        return sampled, per_request
+        return sampled, ()
 
     def _forward_fast(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
         """The batch as one fast step (greedy tokens come from the device; a row sampling with a

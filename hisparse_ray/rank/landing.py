@@ -21,12 +21,20 @@ NOTIF_POLL_S = 1e-4  # landing notification polling (a 1 ms sleep added up to 1 
 
 
 class KeyCaches(Protocol):
-    """Where a rank keeps each request's indexer keys (the step executor, ``HiSparseWorker``):
-    ``index[rid]`` is an ``IndexerKeyCache`` (``keys [L, capacity, d]``, ``length``)."""
-
-    index: dict[str, Any]
+    """Where a rank keeps each request's indexer keys (the step executor, ``HiSparseWorker``:
+    dense per-request caches on the reference path, the paged GPU pool on the fast path)."""
 
     def install_index_keys(self, rid: str, keys: Any, capacity: int) -> None: ...
+
+    def has_index_keys(self, rid: str) -> bool: ...
+
+    def write_index_keys(self, rid: str, lo: int, raw: Any) -> None: ...
+
+    def set_index_length(self, rid: str, length: int) -> None: ...
+
+    def set_sampling(self, rid: str, params: Any) -> None: ...
+
+    def forget(self, rid: str) -> None: ...
 
 
 class HostWriter(Protocol):
@@ -139,18 +147,17 @@ class RankLanding:
                 raise StateError(f"landing of {rid!r} was dropped on rank {self.rank}")
             if step.host_written and self.rank == 0:
                 self.pool.publish()
-            index = self.keys.index
-            if rid not in index or keys is not None:
+            if keys is not None or not self.keys.has_index_keys(rid):
                 self.keys.install_index_keys(rid, keys, step.capacity)
             if step.keys is not None:
                 lo, row, n = step.keys
-                cache = index[rid]
-                cache.keys[:, lo:lo + n] = self.key_staging[:, row:row + n].view(
-                    cache.keys.dtype).view(cache.keys.shape[0], n, cache.keys.shape[2])
+                self.keys.write_index_keys(rid, lo, self.key_staging[:, row:row + n])
                 if self.key_staging.is_cuda:  # the lander re-leases the rows next
                     torch.cuda.current_stream().synchronize()
             if step.last:
-                index[rid].length = step.num_positions
+                self.keys.set_index_length(rid, step.num_positions)
+                if step.sampling is not None:
+                    self.keys.set_sampling(rid, step.sampling)
         self.trace.append((rid, t_enter, t_notified, t_copied, time.perf_counter()))
         return seconds
 
@@ -162,7 +169,7 @@ class RankLanding:
             while len(self._cancelled) > CANCELLED_MEMORY:
                 self._cancelled.popitem(last=False)
         with self.lock:
-            self.keys.index.pop(request_id, None)
+            self.keys.forget(request_id)
 
 
 def copy_runs(src_layers: Sequence[Any], dst_layers: Sequence[Any],

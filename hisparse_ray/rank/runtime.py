@@ -89,6 +89,8 @@ class HiSparseRuntime:
         self._step: _StepTensors | None = None
         self._anchor_rows: dict[int, Tensor] = {}
         self._anchor_plan: dict[int, Tensor] = {}
+        # per state row: (hits, misses) not yet taken (accumulate_hot_counts / take_hot_counts)
+        self._hot_totals = torch.zeros(max_requests, 2, dtype=torch.int64, device=self.device)
 
     def _identity_lru(self, n: int) -> Tensor:
         return torch.arange(self.H, dtype=torch.int32, device=self.device).repeat(n, 1).contiguous()
@@ -106,6 +108,7 @@ class HiSparseRuntime:
         if st is None:
             raise UnknownRequestError(rid)
         self._reset_state(st.state_row)
+        self._hot_totals[st.state_row].zero_()  # the row's next request starts from 0
         self._free_state_rows.append(st.state_row)
 
     def apply_diff(self, rid: RequestId, page: int, host_block: int, device_block: int) -> None:
@@ -235,15 +238,23 @@ class HiSparseRuntime:
     def hot_counts(self) -> tuple[list[int], list[int]]:
         """Per batch row, this step's hot-buffer (hits, misses) summed over anchor layers: positions
         served by a hot slot that already held them, and positions copied in from host. Reads back
-        to the host: for metrics, not for the decode path. Computed on the device for the whole
-        batch and every anchor layer, then read back once (one GPU -> CPU sync per step; the
-        per-row loop it replaced synced twice per anchor layer and row)."""
+        to the host (one GPU -> CPU sync): for tests and tools; the executor accumulates
+        ``hot_count_tensor`` on the device instead and reads it every few steps."""
+        counts = self.hot_count_tensor()
+        if counts is None:
+            return [], []
+        hits, misses = counts.t().tolist()
+        return hits, misses
+
+    def hot_count_tensor(self) -> Tensor | None:
+        """This step's ``[B, 2]`` int64 (hits, misses) per batch row, on the device (no sync);
+        None before the first step. Computed for the whole batch and every anchor layer at once."""
         st = self._step
         if st is None:
-            return [], []
+            return None
         B = st.slot_rows.shape[0]
         if not self._anchor_rows or B == 0:
-            return [0] * B, [0] * B
+            return torch.zeros(B, 2, dtype=torch.int64, device=st.slot_rows.device)
         # hot[b, r]: device row r is one of row b's hot slots; then one gather answers "was this
         # resolved row served from b's hot buffer" for every anchor layer, row and top-k entry
         slots = st.slot_rows[:, : self.H].to(torch.int64)
@@ -257,8 +268,26 @@ class HiSparseRuntime:
         miss = (plan_rows >= 0).sum(dim=(0, 2))
         # short sequences resolve without the LRU: neither hits nor misses
         counted = (st.seq_lens > self.H).to(torch.int64)
-        hits, misses = torch.stack(((served - miss) * counted, miss * counted)).tolist()
-        return hits, misses
+        return torch.stack(((served - miss) * counted, miss * counted), dim=1)
+
+    def accumulate_hot_counts(self) -> None:
+        """Add this step's (hits, misses) to each request's device-side totals (no host sync;
+        ``take_hot_counts`` reads them)."""
+        counts = self.hot_count_tensor()
+        if counts is not None and counts.shape[0]:
+            self._hot_totals.index_add_(0, self._step.state_idx.to(torch.int64), counts)
+
+    def take_hot_counts(self) -> dict[RequestId, tuple[int, int]]:
+        """(hits, misses) accumulated per live request since the last take, then zeroed: one GPU
+        -> CPU read for every request at once. Requests without any are left out."""
+        totals = self._hot_totals.tolist()
+        out = {}
+        for rid, st in self.requests.items():
+            hits, misses = totals[st.state_row]
+            if hits or misses:
+                out[rid] = (hits, misses)
+        self._hot_totals.zero_()
+        return out
 
 
 def hot_counts_reference(step, anchor_rows: dict[int, Tensor], anchor_plan: dict[int, Tensor],

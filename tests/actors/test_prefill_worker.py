@@ -133,3 +133,23 @@ def test_batched_prefill_knob_fills_the_batched_rows():
         torch.testing.assert_close(got, fast.model.prefill(ids)[1], atol=1e-5, rtol=0)
     finally:
         fast.shutdown()
+
+
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_send_buffer_holds_rows_in_the_kv_cache_dtype(kv):
+    """``PrefillSpec.kv_cache_dtype``: the send buffer holds the KV row codec's bytes (fp8: e4m3
+    latent, fp32 scales, bf16 rope), the bytes the replica's pools hold; keys stay in the model
+    dtype; synthetic prefill encodes the same way."""
+    from hisparse_ray.kernels.kvfp8 import row_codec
+
+    pw = PrefillWorker(PrefillSpec(max_prompt_tokens=16, name=f"rows-{kv}", kv_cache_dtype=kv))
+    try:
+        codec = row_codec(kv, pw.model.cfg, pw.model.dtype)
+        assert pw.row_bytes == pw.kv_row_bytes() == codec.row_bytes < 4 * pw.model.cfg.row_dim
+        tokens = [3, 1, 4, 1, 5, 9, 2]
+        pw.prefill("k", tokens)
+        _, rows, keys = pw.model.prefill(torch.tensor(tokens))
+        assert torch.equal(pw.send[:, :7], codec.encode(rows))
+        assert torch.equal(pw.send_keys[:, :7].view(torch.float32), keys)
+    finally:
+        pw.shutdown()

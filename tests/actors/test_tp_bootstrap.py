@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import ray
 
 from hisparse_ray.actors import launch
 from hisparse_ray.deploy import ReplicaSpec
+from hisparse_ray.host.segment import mapped_segments, pid_alive
 
 pytestmark = [pytest.mark.ray]
 
@@ -48,8 +50,38 @@ def test_ranks_share_a_node_and_form_a_gloo_group(ranks):
 
 def test_host_pool_is_one_segment_mapped_by_both_ranks(ranks):
     spec, _, handles = ranks
-    segs = [n for n in os.listdir("/dev/shm") if n.startswith(f"hisparse-pool.{spec.replica_id}.")]
-    assert len(segs) == 1
+    pids = [i["pid"] for i in ray.get([h.node_info.remote() for h in handles])]
+    mapped = [{n for n in mapped_segments(pid) if n.startswith(f"hisparse-pool.{spec.replica_id}.")}
+              for pid in pids]
+    assert len(mapped[0]) == 1 and mapped[0] == mapped[1]
+    # unlinked once both ranks mapped it: no name left in /dev/shm for any exit to leak
+    assert not [n for n in os.listdir("/dev/shm") if n in mapped[0]]
+
+
+def test_a_killed_rank0_leaves_no_host_pool_behind(ray_cluster, private_shm):
+    """Issue 15 item 8: with rank 0 SIGKILLed and no replacement started, the pool segment used
+    to stay in /dev/shm. Now its name is gone as soon as every rank attached; the peer keeps
+    the memory until it ends too. Checked in a private directory of /dev/shm's tmpfs."""
+    spec = ReplicaSpec(tp_size=2, replica_id="rank0kill", host_pool_dir=private_shm)
+    pg = launch.replica_placement_group(spec)
+    handles = launch.start_ranks(spec, pg, build=False)
+    try:
+        pids = [i["pid"] for i in ray.get([h.node_info.remote() for h in handles])]
+        mapped = mapped_segments(pids[1], shm_dir=private_shm)
+        assert len(mapped) == 1 and mapped_segments(pids[0], shm_dir=private_shm) == mapped
+        assert os.listdir(private_shm) == []
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while pid_alive(pids[0], 0):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert os.listdir(private_shm) == []
+        assert mapped_segments(pids[1], shm_dir=private_shm) == mapped  # the peer still maps it
+    finally:
+        for h in handles:
+            ray.kill(h, no_restart=True)
+        launch.remove_placement_group(pg)
+    assert os.listdir(private_shm) == []
 
 
 def test_only_rank0_may_pick_the_rendezvous(ranks):

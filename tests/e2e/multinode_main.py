@@ -63,7 +63,7 @@ def _serve_across_nodes(prompts: list[list[int]]) -> dict | None:
         from ray import serve
     except ImportError:
         return None
-    from hisparse_ray.serve import build_app
+    from hisparse_ray.serve import build_engine_app as build_app
 
     serve.start(proxy_location="Disabled")  # handles only: no HTTP proxy on either node
     try:

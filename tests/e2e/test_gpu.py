@@ -16,6 +16,7 @@ import ray
 
 from hisparse_ray.actors import launch
 from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
+from hisparse_ray.host.segment import mapped_segments
 from hisparse_ray.testing.full_resident import full_resident_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,8 +58,10 @@ def test_tp2_landings_spills_restores_backups_match_full_resident(ray_cluster, g
         assert (infos[0]["gpu"] != infos[1]["gpu"]) == (gpus_per_rank > 0.5), infos
         assert {i["tp_backend"] for i in infos} == {"nccl" if gpus_per_rank > 0.5 else "gloo"}
         assert ray.get([r.check_tp.remote() for r in rep.ranks]) == [3.0, 3.0]
-        segs = [n for n in os.listdir("/dev/shm") if n.startswith(f"hisparse-pool.{rid}.")]
-        assert len(segs) == 1, segs  # one host pool for both ranks
+        segs = [{n for n in mapped_segments(i["pid"]) if n.startswith(f"hisparse-pool.{rid}.")}
+                for i in infos]
+        assert len(segs[0]) == 1 and segs[0] == segs[1], segs  # one host pool for both ranks
+        assert not set(os.listdir("/dev/shm")) & segs[0]  # unlinked once both ranks mapped it
         pf = launch.launch_prefill(PrefillSpec(model=model, gpus=0.2, name=rid))
         assert launch.connect(rep, pf, "staged") == "staged"
         rng = random.Random(0)

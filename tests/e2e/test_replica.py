@@ -224,6 +224,69 @@ def test_generate_path_text_prompts_through_the_cli_helpers(replica, capsys):
         assert len(tok.decode(rows[rid]["tokens"])) == 5
 
 
+def test_seeded_sampling_and_stop_ids_through_the_replica(replica):
+    """Sampling parameters ride to rank 0 with the landing (direct, staged, resident): seeded
+    samples equal the full-resident engine's with the same seed; a stop id ends a request right
+    after the step that sampled it (finish reason "stop")."""
+    from hisparse_ray.types import SamplingParams
+
+    rng = random.Random(17)
+    params = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, seed=4242)
+    requests = [("smp-h0", _prompt(rng, 150)), ("smp-h1", _prompt(rng, 130)),
+                ("smp-s0", _prompt(rng, 14))]
+    coord = replica.coordinator
+    for i, (rid, prompt) in enumerate(requests):
+        ray.get(coord.submit.remote(rid, prompt, 10, None, i % 2, sampling=params))
+    got = {r["request_id"]: r for r in ray.get(coord.wait.remote([r for r, _ in requests], 240))}
+    ref = full_resident_tokens(SPEC.model, [p for _, p in requests], 10,
+                               [r for r, _ in requests], sampling=params)
+    greedy = _reference(requests, 10)
+    for rid, _ in requests:
+        assert got[rid]["tokens"] == ref[rid], rid
+    assert any(ref[r] != greedy[r] for r, _ in requests), "the parameters did not sample"
+    # a stop id: the first greedy token that did not occur before it in the answer
+    rid, prompt = requests[0]
+    k = next(i for i, t in enumerate(greedy[rid]) if i >= 2 and t not in greedy[rid][:i])
+    ray.get(coord.submit.remote("stop-0", prompt, 10, stop_token_ids=(greedy[rid][k],)))
+    (out,) = ray.get(coord.wait.remote(["stop-0"], 240))
+    assert out["tokens"] == greedy[rid][:k + 1] and out["finish_reason"] == "stop"
+    ray.get(coord.forget.remote([r for r, _ in requests] + ["stop-0"]))
+
+
+def test_take_events_pushes_each_step_and_hands_over_the_done(replica):
+    """A stream's tokens come out of ``take_events`` right after the steps that made them (a
+    request of 12 tokens arrives in several takes), concatenate to the answer, and the done
+    request is handed over once; another prefix sees nothing of it."""
+    coord = replica.coordinator
+    rng = random.Random(23)
+    prompt = _prompt(rng, 140)
+    ray.get(coord.submit.remote("evt-a", prompt, 12, stream=True))
+    ray.get(coord.submit.remote("evt-b", _prompt(rng, 20), 3))  # not a stream: done only
+    seen: list[int] = []
+    takes, done = 0, {}
+    deadline = time.monotonic() + 240  # liveness bound
+    while len(done) < 2:
+        fresh, finished = ray.get(coord.take_events.remote("evt-", 30))
+        if fresh:
+            takes += 1
+        assert set(fresh) <= {"evt-a"}
+        seen += fresh.get("evt-a", [])
+        for summary, err in finished:
+            assert err is None and summary["request_id"] not in done
+            done[summary["request_id"]] = summary
+        assert time.monotonic() < deadline
+    assert seen == done["evt-a"]["tokens"] == _reference([("a", prompt)], 12)["a"]
+    assert takes >= 2, "12 tokens over 12 decode steps came in one take"
+    assert ray.get(coord.take_events.remote("evt-", 0.05)) == ({}, [])
+    assert ray.get(coord.take_events.remote("other-", 0.05)) == ({}, [])
+
+
+def test_landing_callbacks_are_not_on_the_handle(replica):
+    """#15 item 12: no holder of the coordinator's handle can end a landing."""
+    for name in ("landed", "landing_failed", "reroute", "fence", "abort_requested"):
+        assert not hasattr(replica.coordinator, name), name
+
+
 def test_failed_transfer_fails_request_and_leaves_no_lease(replica):
     """Runs last: it breaks the staged prefill worker for good."""
     eps = ray.get(replica.coordinator.endpoints_view.remote())

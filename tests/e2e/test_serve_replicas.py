@@ -17,14 +17,14 @@ serve = pytest.importorskip("ray.serve")
 
 def test_two_serve_replicas_each_own_a_deployment_and_both_serve_exactly(ray_cluster):
     from hisparse_ray.deploy import DeployOptions
-    from hisparse_ray.serve import build_app
+    from hisparse_ray.serve import build_engine_app
     from hisparse_ray.testing.full_resident import full_resident_tokens
 
     options = {"tp": 1, "device_blocks": 12, "num_replicas": 2}
     serve.start(proxy_location="Disabled",
                 logging_config={"log_level": "WARNING"})
     try:
-        handle = serve.run(build_app(options), name="hisparse-two", route_prefix=None,
+        handle = serve.run(build_engine_app(options), name="hisparse-two", route_prefix=None,
                            logging_config={"log_level": "WARNING"})
         rng = random.Random(21)
         prompts = [[rng.randrange(1, 96) for _ in range(rng.choice([10, 120]))]

@@ -4,12 +4,17 @@ sampling and GLM-style index sharing."""
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 
+from hisparse_ray.config import HiSparseConfig
 from hisparse_ray.engine import Engine, EngineConfig
+from hisparse_ray.errors import ConfigError
 from hisparse_ray.model.model import build_tiny_model
-from hisparse_ray.rank.executor import SamplingParams
+from hisparse_ray.types import SamplingParams
 from hisparse_ray.types import RequestState
 
 H = 16  # EngineConfig's default device_buffer_size (top_k 8, page 8)
@@ -99,10 +104,12 @@ def test_prefix_reuse_shares_host_blocks_and_stays_exact(models):
     assert [out_a, out_b] == [base["r0"], base["r1"]]
 
 
-def test_seeded_sampling_is_reproducible_across_modes(models):
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=7),
+                                    SamplingParams(temperature=0.8, seed=3, top_k=20, top_p=0.9)])
+def test_seeded_sampling_is_reproducible_across_modes(models, params):
     m = models["deepseek_v32"]
     prompts = prompts_of([8 * H, 20], m.cfg.vocab_size, seed=5)
-    kw = dict(sampling=SamplingParams(temperature=1.0, seed=7))
+    kw = dict(sampling=params)
     base = run(m, prompts, 20, EngineConfig(full_resident=True), **kw)
     hs = run(m, prompts, 20, EngineConfig(num_device_blocks=8), **kw)
     assert_same(hs, base)
@@ -123,3 +130,54 @@ def test_engine_rejects_bad_input(models):
         with pytest.raises(InvalidRequestError, match=r"token 96 is not an id in \[0, 96\)"):
             eng.add_request("z", [1, 96], 2)
         assert eng.run()["x"] and len(eng.run()["x"]) == 2
+
+
+@pytest.mark.parametrize("top_k, hot", [(4, 6), (16, 16), (4, 16)])
+def test_a_config_that_does_not_fit_the_model_is_refused_up_front(models, top_k, hot,
+                                                                   private_shm):
+    """Issue 15 item 4: top_k 4 with a 6-slot hot buffer on the tiny model (its indexer selects
+    8 positions) was accepted by Engine and add_request and failed at the first decode step with
+    KernelPreconditionError. Any top_k other than the model's index_topk is refused, by the
+    engine and by the step executor alone."""
+    from hisparse_ray.host.pool import HostPool
+    from hisparse_ray.rank.executor import HiSparseWorker
+
+    m = models["deepseek_v32"]
+    hs = HiSparseConfig(top_k=top_k, device_buffer_size=hot, host_to_device_ratio=4,
+                        swap_in_block_size=64, host_pool_gib=0.01)
+    with pytest.raises(ConfigError) as ei:
+        Engine(m, EngineConfig(hisparse=hs))
+    assert ei.value.key == "top_k" and ei.value.value == top_k
+    assert "index_topk (8)" in str(ei.value)
+    assert ("device_buffer_size=6 must then be >= 8" in str(ei.value)) == (hot < 8)
+    layout = EngineConfig().layout(m.cfg, m.dtype)
+    with HostPool.create("fit", layout, 4, register_cuda=False, shm_dir=private_shm) as pool:
+        with pytest.raises(ConfigError, match="top_k"):
+            HiSparseWorker(m, hs, layout, 8, pool)
+    assert os.listdir(private_shm) == []
+
+
+def test_sampling_params_are_checked(models):
+    with pytest.raises(ConfigError, match="temperature='0.7'"):
+        SamplingParams(temperature="0.7")
+    with Engine(models["deepseek_v32"], EngineConfig()) as eng:
+        with pytest.raises(ConfigError, match="sampling"):
+            eng.add_request("s", [1, 2], 2, sampling={"temperature": 1.0})
+
+
+def test_the_engine_host_pool_has_no_name_in_dev_shm(models):
+    """Issue 15 item 8, in process: the engine's private pool is unlinked at once (nothing
+    attaches to it), so however the process ends, nothing stays in /dev/shm."""
+    from hisparse_ray.host.segment import list_segments, mapped_segments
+
+    def mine(names):
+        return [n for n in names if n.startswith(f"hisparse-pool.engine{os.getpid()}-")]
+
+    with Engine(models["deepseek_v32"], EngineConfig()) as eng:
+        assert mine(mapped_segments()) == [eng.pool.name]  # mapped here ...
+        assert mine(list_segments()) == []  # ... but without a name to leave behind
+        eng.add_request("a", list(range(1, 41)), 3)
+        assert len(eng.run()["a"]) == 3
+    del eng  # its views keep the mapping until they go
+    gc.collect()
+    assert mine(mapped_segments()) == []

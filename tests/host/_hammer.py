@@ -123,6 +123,22 @@ def hold_pool_process(replica_id: str, prefix: str, queue) -> None:
     time.sleep(600)
 
 
+def unlinking_owner_process(shm_dir: str, prefix: str, attached, queue) -> None:
+    """multiprocessing target: rank 0 of a replica. Create a pool in ``shm_dir``, stamp block 1 of
+    every layer, report its name, wait until the peer attached (``attached`` set), unlink the
+    name, report, then sleep until killed."""
+    pool = HostPool.create("unlinked", LAYOUT, NUM_BLOCKS, register_cuda=False, prefix=prefix,
+                           shm_dir=shm_dir)
+    for l in range(LAYOUT.num_layers):
+        pool.block(l, 1).view(torch.int64).fill_(stamp(1, 1, l))
+    pool.publish()
+    queue.put(pool.name)
+    attached.wait(120)
+    pool.unlink()
+    queue.put("unlinked")
+    time.sleep(600)
+
+
 def attach_and_hold_process(name: str, queue) -> None:
     """multiprocessing target: attach as a peer, report, then sleep until killed."""
     pool = HostPool.attach(name, register_cuda=False)

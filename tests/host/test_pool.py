@@ -163,6 +163,55 @@ def test_teardown_leaves_nothing_after_a_killed_peer():
     assert list_segments(PREFIX) == []
 
 
+def test_an_unlinked_pool_stays_shared_and_a_killed_owner_leaves_nothing(private_shm):
+    """Issue 15 item 8: rank 0 unlinks the segment's name once its peer attached. The directory
+    (a private one on /dev/shm's tmpfs) is then empty while both still share the memory, and
+    SIGKILL of rank 0 leaves nothing there: the memory lives on in the peer's mapping only and
+    goes with it (``mapped_segments`` reads /proc/<pid>/maps, where it shows "(deleted)")."""
+    from hisparse_ray.host.segment import mapped_segments
+
+    ctx = mp.get_context("spawn")
+    attached, queue = ctx.Event(), ctx.Queue()
+    owner = ctx.Process(target=_hammer.unlinking_owner_process,
+                        args=(private_shm, PREFIX, attached, queue), daemon=True)
+    owner.start()
+    try:
+        name = queue.get(timeout=120)
+        assert os.listdir(private_shm) == [name]  # before every peer attached: named
+        peer = HostPool.attach(name, register_cuda=False, shm_dir=private_shm)
+        attached.set()
+        assert queue.get(timeout=120) == "unlinked"
+        assert os.listdir(private_shm) == []
+        assert set(mapped_segments(owner.pid, PREFIX, private_shm)) == {name}
+        assert set(mapped_segments("self", PREFIX, private_shm)) == {name}
+        _kill(owner)
+        assert os.listdir(private_shm) == []
+        for l in range(_hammer.LAYOUT.num_layers):  # the owner's bytes, still shared memory
+            assert bool((peer.block(l, 1).view(torch.int64) == _hammer.stamp(1, 1, l)).all())
+        assert peer.published() == 1
+        peer.close()
+        assert mapped_segments("self", PREFIX, private_shm) == {}
+        with pytest.raises(HostPoolError, match="cannot open"):
+            HostPool.attach(name, register_cuda=False, shm_dir=private_shm)
+    finally:
+        if owner.is_alive():
+            _kill(owner)
+
+
+def test_unlink_is_for_the_owner_and_idempotent(private_shm):
+    with HostPool.create("u", LAYOUT, 2, register_cuda=False, prefix=PREFIX,
+                         shm_dir=private_shm) as owner:
+        with HostPool.attach(owner.name, register_cuda=False, shm_dir=private_shm) as peer:
+            with pytest.raises(HostPoolError, match="owner"):
+                peer.unlink()
+            owner.unlink()
+            owner.unlink()
+            assert owner.unlinked and os.listdir(private_shm) == []
+            owner.block(0, 1).fill_(9)
+            assert int(peer.block(0, 1)[0, 0]) == 9
+    assert os.listdir(private_shm) == []  # destroy after unlink: nothing to remove, no error
+
+
 def test_register_chunks_cover_the_segment_within_the_limit():
     gib = GIB
     for stride, layers in [(8 * gib, 61), (100 * gib, 3), (64 * gib, 2), (4096, 1)]:

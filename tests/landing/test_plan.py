@@ -26,7 +26,9 @@ from hisparse_ray.landing.segments import write_groups
 from hisparse_ray.model.cache import IndexerKeyCache
 from hisparse_ray.rank.landing import RankLanding
 from hisparse_ray.transfer import MemKind, RegionDesc
-from hisparse_ray.types import LandingOrder, RankEndpoint, pack, unpack
+from hisparse_ray.types import LandingOrder, RankEndpoint, SamplingParams, pack, unpack
+
+SAMPLING = SamplingParams(temperature=0.7, seed=11, top_k=5, top_p=0.9)
 
 R, K = 3, 2  # KV row bytes and key row bytes per (token, layer)
 
@@ -38,16 +40,34 @@ def _pattern(L: int, T: int, width: int, salt: int) -> torch.Tensor:
 
 
 class _KeyCaches:
-    """A rank's key caches (what ``HiSparseWorker`` offers a landing: ``index`` and
-    ``install_index_keys``), keys as ``K`` raw bytes per (layer, position)."""
+    """A rank's key caches (what ``HiSparseWorker`` offers a landing, ``rank.landing.KeyCaches``),
+    keys as ``K`` raw bytes per (layer, position)."""
 
     def __init__(self, L: int) -> None:
         self.L = L
         self.index: dict[str, IndexerKeyCache] = {}
 
+        self.sampling: dict[str, SamplingParams] = {}
+
     def install_index_keys(self, rid: str, keys, capacity: int) -> None:
         assert keys is None  # key staging: the keys come by WRITE, not by Ray
         self.index[rid] = IndexerKeyCache(self.L, K, max(capacity, 1), dtype=torch.uint8)
+
+    def has_index_keys(self, rid: str) -> bool:
+        return rid in self.index
+
+    def write_index_keys(self, rid: str, lo: int, raw) -> None:
+        self.index[rid].keys[:, lo:lo + raw.shape[1]] = raw
+
+    def set_index_length(self, rid: str, length: int) -> None:
+        self.index[rid].length = length
+
+    def set_sampling(self, rid: str, params: SamplingParams) -> None:
+        self.sampling[rid] = params
+
+    def forget(self, rid: str) -> None:
+        self.index.pop(rid, None)
+        self.sampling.pop(rid, None)
 
 
 class _Rank:
@@ -137,7 +157,8 @@ def _land(ranks, L, P, T, path, cap, groups, keys, block, rng):
             start = rng.randrange(cap - len(part) + 1)
             run = tuple(range(start, start + len(part)))
         dests, steps = plan_chunk("rq", T, P, path, block, part, run, i, i == len(parts) - 1,
-                                  capacity, eps, timeout_s=1.0, layer_groups=groups)
+                                  capacity, eps, timeout_s=1.0, layer_groups=groups,
+                                  sampling=SAMPLING)
         assert len(steps) == tp and len({d.rank for d in dests}) == len(dests)
         # what the Ray calls carry (pack's bytes) is what was planned
         order = LandingOrder("rq", tuple(dests))
@@ -169,6 +190,8 @@ def _land(ranks, L, P, T, path, cap, groups, keys, block, rng):
                                    send["send"][l, lo:lo + n]), (path, p, l, rk.agent)
     if path == "staged" and block:  # rank 0 published its host writes
         assert ranks[0].pool.published() > 0
+    # rank 0 (the sampler) got the request's sampling with the last chunk; its peers did not
+    assert [rk.caches.sampling.get("rq") for rk in ranks] == [SAMPLING] + [None] * (tp - 1)
     for rk in ranks:
         cache = rk.caches.index["rq"]
         assert cache.length == T  # the last chunk reached every rank

@@ -28,9 +28,45 @@ def test_batched_hot_counts_equal_the_per_row_definition(B, H, K, anchors, seed)
     step = SimpleNamespace(slot_rows=slot_rows, seq_lens=seq_lens)
     fake = SimpleNamespace(_step=step, _anchor_rows=anchor_rows, _anchor_plan=anchor_plan, H=H,
                            device_kv=[torch.empty(rows_max, 1)])
-    assert HiSparseRuntime.hot_counts(fake) == reference(step, anchor_rows, anchor_plan, H)
+    counts = HiSparseRuntime.hot_count_tensor(fake)
+    assert (counts[:, 0].tolist(), counts[:, 1].tolist()) == reference(step, anchor_rows,
+                                                                      anchor_plan, H)
 
 
 def test_no_step_no_counts():
     fake = SimpleNamespace(_step=None, _anchor_rows={}, _anchor_plan={}, H=4)
-    assert HiSparseRuntime.hot_counts(fake) == ([], [])
+    assert HiSparseRuntime.hot_count_tensor(fake) is None
+
+
+def test_counts_read_every_few_steps_add_up_to_the_per_step_counts():
+    """Rank 0 reading its device-side hot counts every 5 steps (and before dropping released
+    requests) reports, summed per request, exactly what reading them every step reports."""
+    from hisparse_ray.engine import Engine, EngineConfig
+
+    from hisparse_ray.model import build_tiny_model
+
+    m = build_tiny_model(0, "deepseek_v32")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, m.cfg.vocab_size, (n,), generator=g).tolist() for n in (90, 60, 12)]
+    per_request = []
+    for every in (1, 5):
+        with Engine(m, EngineConfig(num_device_blocks=8)) as eng:
+            eng.worker.hot_counts_every = every
+            got: dict[str, list[int]] = {}
+            execute = eng.worker.execute
+
+            def spy(cmd, execute=execute, got=got):
+                rep = execute(cmd)
+                for rid, h, mi in rep.hits_by_request:
+                    got.setdefault(rid, [0, 0])
+                    got[rid][0] += h
+                    got[rid][1] += mi
+                return rep
+
+            eng.worker.execute = spy
+            for i, p in enumerate(prompts):
+                eng.add_request(f"r{i}", p, 9 + 3 * i)
+            eng.run()
+            eng.worker._take_hot_counts({})  # nothing may be left unread after the releases
+            per_request.append(got)
+    assert per_request[0] == per_request[1] and sum(h for h, _ in per_request[0].values()) > 0

@@ -1,0 +1,100 @@
+"""Benchmark (not a test): the fast step's top-k per indexer layer, ``select_topk`` (one int64 key
+per position, an int64 top-k over the row) against ``select_topk_fast`` (a float top-k for the
+k-th value, the tie rule among the keys equal to it, int64 keys for the k candidates only;
+``hisparse_ray/fastpath/topk.py``), same process, same scores, outputs checked equal.
+
+Scores as the indexer makes them (``--ties``): head-weighted relu sums where a fraction of the
+keys scores exactly 0.0 (every head rejected them; the k-th place then falls inside that tie
+whenever fewer than k keys score above 0), the rest positive; each row masked (-inf) past its
+length (``--fill`` of the context). k = 2048 (DeepSeek-V3.2).
+
+One command:  python benchmarks/bench_topk.py            (CUDA when visible, else CPU)
+              python benchmarks/bench_topk.py --smoke    (small shapes, any device)
+Prints a table (ms per layer call, the ratio, bytes the int64 path writes) and writes JSON
+(default benchmarks/results/topk.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hisparse_ray.fastpath.topk import select_topk_fast
+from hisparse_ray.model.indexer import select_topk
+
+
+def scores(B: int, N: int, zeros: float, fill: float, device: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand(B, N, generator=g) + 1e-3
+    s = torch.where(torch.rand(B, N, generator=g) < zeros, 0.0, s)
+    lengths = (torch.rand(B, generator=g) * (1 - fill) + fill) * N
+    s = s.masked_fill(torch.arange(N)[None] >= lengths.long()[:, None], float("-inf"))
+    return s.to(device)
+
+
+def timed(fn, repeats: int, device: str) -> float:
+    """Seconds of one call after a warm-up: the median of CUDA-event times on CUDA; the minimum
+    of wall times on the CPU (a shared CPU's other load only ever adds time)."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) if device == "cuda" else min(ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--ties", type=float, default=0.9, help="fraction of keys scoring exactly 0")
+    ap.add_argument("--fill", type=float, default=0.9, help="rows are this full at least")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="benchmarks/results/topk.json")
+    a = ap.parse_args()
+    shapes = [(1, 4096), (8, 8192)] if a.smoke else \
+        [(1, 32768), (1, 131072), (8, 32768), (8, 131072), (64, 32768), (64, 131072)]
+    if a.device == "cpu" and not a.smoke:
+        shapes = [s for s in shapes if s[0] * s[1] <= 8 * 131072] + [(64, 32768)]
+    rows = []
+    print(f"device {a.device} ({torch.cuda.get_device_name() if a.device == 'cuda' else platform.processor() or 'cpu'}), "
+          f"torch {torch.__version__}, k {a.k}, {a.ties:.0%} tied zeros, threads {torch.get_num_threads()}")
+    print(f"{'batch':>5} {'context':>8} {'select_topk ms':>15} {'fast ms':>9} {'ratio':>6} {'int64 keys MB':>13}")
+    for B, N in shapes:
+        s = scores(B, N, a.ties, a.fill, a.device)
+        want, got = select_topk(s, a.k), select_topk_fast(s, a.k)
+        if not torch.equal(want, got):
+            raise AssertionError(f"outputs differ at batch {B}, context {N}")
+        t_ref = timed(lambda: select_topk(s, a.k), a.repeats, a.device)
+        t_fast = timed(lambda: select_topk_fast(s, a.k), a.repeats, a.device)
+        row = dict(batch=B, context=N, k=a.k, ties=a.ties, device=a.device,
+                   select_topk_ms=t_ref * 1e3, fast_ms=t_fast * 1e3, ratio=t_ref / t_fast,
+                   int64_key_mb=B * N * 8 / 1e6)
+        rows.append(row)
+        print(f"{B:>5} {N:>8} {row['select_topk_ms']:>15.3f} {row['fast_ms']:>9.3f} "
+              f"{row['ratio']:>6.2f} {row['int64_key_mb']:>13.1f}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

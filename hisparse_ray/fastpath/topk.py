@@ -1,0 +1,69 @@
+"""The project's top-k rule at a lower cost per key (ring 2: torch): same contract and the same
+output as :func:`~hisparse_ray.model.indexer.select_topk`, bit for bit, for any scores without
+NaN.
+
+The rule: higher score first, equal scores by lower position, ``-0.0 == 0.0``, ``-1`` where fewer
+than ``k`` keys are valid (score ``-inf``). ``select_topk`` makes one int64 key per score (order
+bits in the high half, the inverted position in the low half) and takes an int64 top-k over all N
+keys of a row: at 128K positions and batch 64 that is 8M int64 keys written, then read by every
+radix pass (twice the passes of a 32-bit top-k, each twice the bytes) per layer.
+
+Here (:func:`select_topk_fast`) only the k candidates get int64 keys:
+
+1. a float top-k of the scores gives the k-th largest value ``v`` (a value, so how ``torch.topk``
+   breaks ties does not matter) and ``c`` = how many of its k results are ``> v``: every score
+   above ``v`` is among them (fewer than k scores are), so those c positions are selected;
+2. the remaining ``m = k - c`` selected positions are the lowest positions whose score equals
+   ``v`` (the tie rule): one compare and one int32 running count over the row, then the j-th
+   equal position for j = 1..m by a binary search of that count (``searchsorted``, O(k log N));
+3. the k candidates are ordered exactly as ``select_topk`` orders them (its int64 key, k of them).
+
+Per key of a row that is a 32-bit top-k, one compare and one int32 scan instead of building and
+ranking int64 keys; everything is static-shaped and sync-free (capturable in a CUDA graph).
+``benchmarks/bench_topk.py`` measures both; ``tests/fastpath/test_topk.py`` proves the outputs
+identical on tie-heavy inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hisparse_ray.model.indexer import NEG_INF_KEY_BOUND
+
+
+def order_keys(scores: Tensor, positions: Tensor) -> Tensor:
+    """``select_topk``'s int64 key of each (score, position): larger key = selected earlier.
+    ``scores`` fp32 (``-0.0`` normalized by the caller), ``positions`` int64 in ``[0, 2**32)``."""
+    bits = scores.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    return ordered * (1 << 32) + ((1 << 32) - 1 - positions)
+
+
+def select_topk_fast(scores: Tensor, k: int) -> Tensor:
+    """``scores [..., N]`` fp32, ``-inf`` at invalid keys, no NaN -> ``[..., k]`` int64 positions,
+    ``-1`` where fewer than ``k`` keys are valid: exactly ``select_topk(scores, k)``."""
+    N = scores.shape[-1]
+    kk = min(k, N)
+    if N >= 1 << 31:
+        raise ValueError(f"select_topk_fast: {N} keys exceed the int32 running count")
+    lead = scores.shape[:-1]
+    if kk == 0:
+        return torch.full((*lead, k), -1, dtype=torch.int64, device=scores.device)
+    s = scores.float() + 0.0  # -0.0 + 0.0 == +0.0: one bit pattern per value (for the keys)
+    vals, idx = s.topk(kk, dim=-1, sorted=False)
+    v = vals.amin(-1, keepdim=True)  # the k-th largest value
+    tie = vals == v  # [..., kk]: the m = kk - c slots whose positions the tie rule picks
+    # the j-th (1-based) position of the row whose score equals v, j = 1..kk
+    count = (s == v).to(torch.int32).cumsum(-1, dtype=torch.int32)  # [..., N], non-decreasing
+    want = torch.arange(1, kk + 1, dtype=torch.int32, device=s.device).expand(*lead, kk)
+    first = torch.searchsorted(count.contiguous(), want.contiguous()).clamp_max(N - 1)
+    j = tie.to(torch.int64).cumsum(-1) - 1  # tie slot -> 0..m-1
+    cand = torch.where(tie, first.gather(-1, j.clamp_min(0)), idx)
+    top = order_keys(s.gather(-1, cand), cand).topk(kk, dim=-1).values
+    out = (1 << 32) - 1 - (top & 0xFFFFFFFF)
+    out = out.masked_fill(top < NEG_INF_KEY_BOUND, -1)
+    if kk < k:
+        out = F.pad(out, (0, k - kk), value=-1)
+    return out

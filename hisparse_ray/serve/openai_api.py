@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP ingress (ring 3, front door): a FastAPI app on Ray Serve
+(``@serve.ingress``) in front of the HiSparse deployment (:class:`HiSparseServer`).
+
+Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /health``. Every other path is 404 and a wrong method 405,
+both with OpenAI-style error bodies (``{"error": {"message", "type", "param", "code"}}``).
+
+Per request, in this order, each step before any work of the next: the API key (401), the body
+size from ``Content-Length`` and while reading (413, the body is never read past the cap), JSON
+and parameters (400 naming the parameter), the model id (404), the prompt's characters (413
+before tokenizing) and text (a lone surrogate: 400), tokenizing (off the event loop), then the
+request goes to the HiSparse deployment as token ids and its tokens come back per decode step
+(``generate_stream``): text is detokenized incrementally, stop strings end the request early
+(its blocks are freed at once), and the answer goes out whole or as server-sent events (the
+first chat delta carries ``"role": "assistant"``, then ``data: [DONE]``). A client that
+disconnects cancels its request upstream, which aborts it on the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hisparse_ray.deploy import DeployOptions
+from hisparse_ray.serve import protocol as P
+from hisparse_ray.serve.server import check_text
+
+log = logging.getLogger(__name__)
+
+app = FastAPI(title="hisparse-ray", docs_url=None, redoc_url=None, openapi_url=None)
+TOKENIZE_INLINE_CHARS = 4096  # longer texts are tokenized in a worker thread
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """404 (no such path) and 405 (wrong method) as OpenAI-style bodies."""
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    msg = {404: f"no route {request.url.path!r}; routes: /v1/models, /v1/completions, "
+                f"/v1/chat/completions, /health",
+           405: f"{request.method} is not allowed on {request.url.path!r}"}.get(
+        exc.status_code, str(exc.detail))
+    return JSONResponse(P.ApiError(exc.status_code, msg, code=kind).body(),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+def _error(err: P.ApiError, rid: str | None = None) -> JSONResponse:
+    headers = {"x-request-id": rid} if rid else None
+    if err.status == 429:
+        headers = {**(headers or {}), "retry-after": "1"}
+    if err.status == 401:
+        headers = {**(headers or {}), "www-authenticate": "Bearer"}
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+class OpenAIServer:
+    """The ingress deployment class (``build_openai_app`` wraps it with ``serve.ingress``).
+    ``engine``: the HiSparse deployment's handle; ``options``: the deployment's options (model
+    id, API key, limits)."""
+
+    def __init__(self, engine: Any, options: DeployOptions) -> None:
+        replica_spec, prefill_spec = options.specs(0)
+        self.engine = engine
+        self.options = options
+        self.model_id = P.model_id(options)
+        self.tokenizer = replica_spec.model.tokenizer()
+        self.max_prompt_tokens = prefill_spec.max_prompt_tokens
+        self.created = P.now()
+
+    # -- the door ----------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        key = self.options.api_key
+        if not key:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 key.encode()):
+            raise P.ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                             "authentication_error", code="invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, at most ``max_request_bytes`` (413 before reading more)."""
+        cap = self.options.max_request_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > cap:
+            raise P.ApiError(413, f"request body of {length} bytes exceeds {cap} bytes",
+                             code="request_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > cap:
+                raise P.ApiError(413, f"request body exceeds {cap} bytes",
+                                 code="request_too_large")
+        return bytes(body)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise P.ApiError(404, f"model {model!r} does not exist; this server serves "
+                                  f"{self.model_id!r}", param="model", code="model_not_found")
+
+    async def _encode(self, text: str, what: str, chat: list[dict] | None = None) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise P.ApiError(400, "this model has no tokenizer: send token ids", param=what)
+        check_text(what, text, self.max_prompt_tokens)
+        if chat is not None:
+            fn, arg = tok.encode_chat, chat
+        else:
+            fn, arg = tok.encode, text
+        if len(text) <= TOKENIZE_INLINE_CHARS:
+            return fn(arg)
+        return await asyncio.to_thread(fn, arg)
+
+    # -- routes ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        try:
+            self._authorize(request)
+        except P.ApiError as err:
+            return _error(err)
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        try:
+            self._authorize(request)
+            self._check_model(model)
+        except P.ApiError as err:
+            return _error(err)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created,
+                "owned_by": "hisparse-ray", "max_model_len": self.max_prompt_tokens
+                + self.options.max_new_tokens_limit}
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Request, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        try:
+            self._authorize(request)
+            req = P.parse(P.ChatRequest if chat else P.CompletionRequest,
+                          await self._body(request))
+            self._check_model(req.model)
+            if chat:
+                messages = [m.as_dict() for m in req.messages]
+                text = "".join(m["content"] for m in messages)
+                ids = await self._encode(text, "messages", messages)
+                max_tokens = req.max_completion_tokens or req.max_tokens
+            else:
+                prompt = req.one_prompt()
+                ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) \
+                    else list(prompt)
+                max_tokens = req.max_tokens
+            args = req.engine_args(max_tokens)
+            stops = list(req.stop_token_ids or ())
+            if not req.ignore_eos and self.tokenizer is not None:
+                stops += list(getattr(self.tokenizer, "eos_token_ids", ()))
+            stream = _Generation(self, rid, chat, req, ids, {**args, "stop_token_ids": stops})
+            first = await stream.start()  # errors of the request surface here, before a status
+        except BaseException as err:  # noqa: BLE001 - mapped to a status below
+            api = P.api_error(err)
+            if api is None:
+                raise
+            return _error(api, rid)
+        headers = {"x-request-id": rid}
+        if req.stream:
+            return StreamingResponse(stream.events(first), media_type="text/event-stream",
+                                     headers=headers)
+        try:
+            body = await stream.whole(first)
+        except BaseException as err:  # noqa: BLE001
+            api = P.api_error(err)
+            if api is None:
+                raise
+            return _error(api, rid)
+        return JSONResponse(body, headers=headers)
+
+
+class _Generation:
+    """One request's token stream from the HiSparse deployment, as text: incremental
+    detokenization, stop strings, usage; ``events`` (SSE) or ``whole`` (one body)."""
+
+    def __init__(self, server: OpenAIServer, rid: str, chat: bool, req, ids: list[int],
+                 args: dict) -> None:
+        self.server, self.rid, self.chat, self.req = server, rid, chat, req
+        self.ids, self.args = ids, args
+        self.created = P.now()
+        self.stops = P.StopStrings(req.stop_strings())
+        tok = server.tokenizer
+        self.text = tok.stream() if tok is not None else None
+        self.gen = None
+        self.completion_tokens = 0
+        self.finish: str | None = None
+
+    async def start(self):
+        """Submit and wait for the first item (a bad request raises here, before any status
+        line is sent)."""
+        handle = self.server.engine.options(stream=True)
+        self.gen = handle.generate_stream.remote(ids=self.ids, **self.args)
+        try:
+            return await self.gen.__anext__()
+        except BaseException:
+            self.gen.cancel()
+            raise
+
+    async def _pieces(self, first):
+        """(text piece, finish reason or None) per upstream item, stopping at a stop string
+        (the upstream request is cancelled then: aborted, blocks freed)."""
+        item = first
+        try:
+            while True:
+                if "done" in item:
+                    tail = self.text.flush() if self.text is not None else ""
+                    piece, hit = self.stops.push(tail)
+                    if not hit:
+                        piece += self.stops.flush()
+                    fin = "stop" if hit or item["finish_reason"] in ("stop", "eos") else "length"
+                    self.completion_tokens = len(item["tokens"])
+                    yield piece, fin
+                    return
+                self.completion_tokens += len(item["tokens"])
+                new = self.text.push(item["tokens"]) if self.text is not None else ""
+                piece, hit = self.stops.push(new)
+                if hit:
+                    yield piece, "stop"
+                    return
+                if piece:
+                    yield piece, None
+                item = await self.gen.__anext__()
+        finally:
+            self.gen.cancel()  # a stop string, an error or the client left: end it upstream
+
+    def _usage(self) -> dict:
+        return P.usage(len(self.ids), self.completion_tokens)
+
+    async def whole(self, first) -> dict:
+        parts, fin = [], None
+        async for piece, fin in self._pieces(first):
+            parts.append(piece)
+        text = "".join(parts)
+        body = P.chat if self.chat else P.completion
+        return body(self.rid, self.server.model_id, text, fin, self._usage(), self.created)
+
+    async def events(self, first):
+        model, rid, created = self.server.model_id, self.rid, self.created
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        try:
+            if self.chat:
+                yield P.sse(P.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None,
+                                         None, created))
+            async for piece, fin in self._pieces(first):
+                if self.chat:
+                    if piece:
+                        yield P.sse(P.chat_chunk(rid, model, {"content": piece}, None, None,
+                                                 created))
+                    if fin is not None:
+                        yield P.sse(P.chat_chunk(rid, model, {}, fin, None, created))
+                else:
+                    yield P.sse(P.completion_chunk(rid, model, piece, fin, None, created))
+            if include_usage:
+                chunk = P.chat_chunk if self.chat else P.completion_chunk
+                yield P.sse(chunk(rid, model, None, None, self._usage(), created))
+        except Exception as err:  # noqa: BLE001 - the status is sent: an error event instead
+            api = P.api_error(err) or P.ApiError(500, repr(err), "server_error")
+            yield P.sse(api.body())
+        yield P.sse("[DONE]")
+
+
+def _ingress():
+    from ray import serve
+
+    return serve.ingress(app)(OpenAIServer)
+
+
+OpenAIIngress = _ingress()  # the Serve-wrapped class (routes bound to its instances)

@@ -1,0 +1,145 @@
+"""MoE layers on the fast step (``fastpath/moe.py``): no host sync, so they no longer keep the step
+out of CUDA graphs, and a token's result depends on its row alone within a bucket, so fast-path
+HiSparse equals fast-path full-resident bit-exactly with MoE models too (one bucket, through
+spills, fp32 and fp8 rows); against the reference path within fp32 rounding with equal greedy
+tokens. ``gpu``: the same on CUDA in bf16 (DeepGEMM's masked grouped GEMMs where installed),
+captured graphs equal to eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hisparse_ray.engine import EngineConfig
+from hisparse_ray.fastpath.config import FastPathConfig
+from hisparse_ray.fastpath.moe import every_expert, moe_step
+from hisparse_ray.model.layers import MoE
+from hisparse_ray.model.model import build_tiny_model
+
+from .test_engine_fast import H, ONE, assert_same, fast_cfg, prompts_of, run
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    m = build_tiny_model(3)
+    assert sum(isinstance(layer.mlp, MoE) for layer in m.model.layers) == 3
+    return m
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 12), seed=st.integers(0, 2**31 - 1))
+def test_every_expert_matches_the_reference_and_ignores_batch_mates(moe_model, n, seed):
+    moe = moe_model.model.layers[1].mlp
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, moe_model.cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        weights, chosen = moe.gate(x)
+        got = every_expert(moe.experts, x, weights, chosen)
+        want = moe.experts(x, weights, chosen)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        # row 0 beside other batch mates (same batch shape): the same bits
+        y = torch.randn(n, x.shape[1], generator=g)
+        y[0] = x[0]
+        assert torch.equal(moe_step(moe, y)[0], moe_step(moe, x)[0])
+
+
+def test_masked_grouped_combines_each_tokens_experts_in_order(moe_model, monkeypatch):
+    """The kernel path's bookkeeping on the CPU (the grouped GEMM replaced by its torch twin):
+    products back to their (token, expert) pairs, weighted, added in ascending expert id."""
+    from hisparse_ray.fastpath.moe import masked_grouped
+    from hisparse_ray.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "grouped_linear_masked", fp8_gemm.grouped_linear_masked_reference)
+    moe = moe_model.model.layers[2].mlp
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 3, 16):
+        x = torch.randn(n, moe_model.cfg.hidden_size, generator=g)
+        with torch.no_grad():
+            weights, chosen = moe.gate(x)
+            got = masked_grouped(moe.experts, x, weights, chosen)
+            want = moe.experts.forward_reference(x, weights, chosen)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+def test_moe_one_bucket_equals_full_resident_through_spills(moe_model, kv):
+    prompts = prompts_of([8 * H + 5, 40, 3, 9 * H], moe_model.cfg.vocab_size, seed=11)
+    base = run(moe_model, prompts, 16, fast_cfg(ONE, full_resident=True, kv_cache_dtype=kv))
+    hs = run(moe_model, prompts, 16, fast_cfg(ONE, num_device_blocks=12, kv_cache_dtype=kv))
+    assert_same(hs, base)
+    assert hs[2].spills > 0 and hs[3]["hot_misses"] > 0
+    assert set(hs[4]) != {4}  # real batch sizes varied inside the one bucket
+
+
+def test_moe_fast_path_matches_reference_path(moe_model):
+    prompts = prompts_of([8 * H + 5, 40], moe_model.cfg.vocab_size, seed=12)
+    ref = run(moe_model, prompts, 64, EngineConfig(full_resident=True))
+    fast = run(moe_model, prompts, 64, fast_cfg(FastPathConfig(max_context=256, buckets=(1, 2)),
+                                                num_device_blocks=12))
+    assert fast[0] == ref[0] and all(len(t) == 64 for t in fast[0].values())
+    err = max((fast[1][k] - ref[1][k]).abs().max().item() for k in ref[1])
+    assert err < 1e-4, err
+
+
+# -- CUDA ------------------------------------------------------------------------------------------
+def _moe_small_cfg():
+    from .test_fast_gpu import small_cfg
+
+    return small_cfg().with_(mlp_layer_types=("dense", "sparse"), moe_intermediate_size=256,
+                             n_routed_experts=16, n_group=2, topk_group=1, num_experts_per_tok=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ["bf16", "fp8"])
+def test_moe_on_cuda_graph_equals_eager_and_full_resident(rows):
+    """bf16 MoE model (16 experts, 4 a token): the captured step equals the eager one and
+    HiSparse equals full-resident bitwise (one bucket of 4, spills); greedy tokens equal the
+    reference path's over 32 steps, logits within the module's bf16 tolerance."""
+    from hisparse_ray.fastpath.moe import masked_kernel
+
+    from .test_fast_gpu import TOL, fast_engine, hisparse, led_model, rel_err
+
+    cfg = _moe_small_cfg()
+    m = led_model(cfg, 9)
+    moe = m.model.layers[1].mlp
+    x = torch.randn(4, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    print(f"\nMoE path: {'masked grouped kernel' if masked_kernel(moe.experts, x) else 'every expert'}")
+    hs = hisparse(cfg, 256)
+    fast = FastPathConfig(max_context=2048, buckets=(4,), index_key_dtype="fp8")
+    eager = FastPathConfig(max_context=2048, buckets=(4,), index_key_dtype="fp8", cuda_graphs=False)
+    prompts = prompts_of([700, 300, 1000, 90], cfg.vocab_size, seed=13)
+    common = dict(kv_cache_dtype=rows, page_size=16)
+    base = run(m, prompts, 24, fast_engine(fast, hs, full_resident=True, **common))
+    hsp = run(m, prompts, 24, fast_engine(fast, hs, num_device_blocks=60, **common))
+    eag = run(m, prompts, 24, fast_engine(eager, hs, num_device_blocks=60, **common))
+    assert_same(hsp, base)
+    assert_same(eag, hsp)
+    assert hsp[2].spills > 0
+    ref = run(m, prompts[:2], 32, EngineConfig(hisparse=hs, device="cuda", backend="cuda",
+                                               full_resident=True, page_size=16,
+                                               kv_cache_dtype=rows))
+    got = run(m, prompts[:2], 32, fast_engine(fast, hs, num_device_blocks=60, **common))
+    d, rms = rel_err(got, ref)
+    print(f"MoE {rows}: max |dlogit| {d:.4g}, rms logits {rms:.4g}")
+    assert got[0] == ref[0]
+    assert d <= TOL * rms
+
+
+@pytest.mark.gpu
+def test_moe_step_is_captured():
+    """A MoE model's fast step is captured in a graph (it used to stay eager)."""
+    from hisparse_ray.engine import Engine
+
+    from .test_fast_gpu import fast_engine, hisparse, led_model
+
+    cfg = _moe_small_cfg()
+    m = led_model(cfg, 10)
+    fast = FastPathConfig(max_context=1024, buckets=(2,))
+    with Engine(m, fast_engine(fast, hisparse(cfg, 256), num_device_blocks=40, page_size=16)) as eng:
+        for i, p in enumerate(prompts_of([300, 500], cfg.vocab_size, seed=14)):
+            eng.add_request(f"r{i}", p, 4)
+        eng.run()
+        step = eng.worker.fast.step
+        assert step.use_graphs and step.capture_error is None and 2 in step.graphs

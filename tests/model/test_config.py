@@ -1,0 +1,68 @@
+"""The model config (``hisparse_ray/model/config.py``): a HF ``config.json`` whose value is missing,
+of the wrong type or out of range is refused by ``config_from_hf`` with a ConfigError naming the
+HF key, before any weight is built (each field of ``DSAConfig`` itself: tests/test_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse_ray.errors import ConfigError
+from hisparse_ray.model.config import config_from_hf, hf_config_dict, tiny_config
+
+
+def _hf(kind: str = "glm_moe_dsa", **change) -> dict:
+    d = hf_config_dict(tiny_config(kind))
+    d.pop("indexer_types", None)  # so that index_topk_pattern / index_topk_freq decide
+    d.update(change)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def test_the_tiny_configs_round_trip():
+    for kind in ("deepseek_v32", "glm_moe_dsa"):
+        d = hf_config_dict(tiny_config(kind))
+        assert config_from_hf(d) == tiny_config(kind)
+    assert config_from_hf(_hf(index_topk_pattern="FSFS")).indexer_types == \
+        ("full", "shared", "full", "shared")
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"n_group": 0}, "n_group"),  # was ZeroDivisionError
+    ({"index_topk_pattern": "FFSXSF"}, "index_topk_pattern"),  # was KeyError
+    ({"index_topk_pattern": "FSXS"}, "index_topk_pattern"),
+    ({"index_topk_pattern": "FSFSFS"}, "index_topk_pattern"),  # 6 letters for 4 layers
+    ({"index_topk_pattern": ["full", "shared"]}, "index_topk_pattern"),
+    ({"index_topk_pattern": "SFSF"}, "indexer_types"),  # layer 0 must run its indexer
+    ({"num_attention_heads": 0}, "num_attention_heads"),  # was accepted, failed at build
+    ({"kv_lora_rank": 0}, "kv_lora_rank"),  # likewise
+    ({"index_topk": -1}, "index_topk"),
+    ({"hidden_size": "64"}, "hidden_size"),
+    ({"hidden_size": 64.5}, "hidden_size"),
+    ({"vocab_size": None}, "vocab_size"),  # missing
+    ({"model_type": "llama"}, "model_type"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers"),
+    ({"index_topk_freq": 0}, "index_topk_freq"),
+    ({"first_k_dense_replace": -1, "mlp_layer_types": None}, "first_k_dense_replace"),
+    ({"n_routed_experts": None}, "num_local_experts"),  # neither name given
+    ({"topk_group": 3}, "topk_group"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"rms_norm_eps": "small"}, "rms_norm_eps"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": "x"}}, "factor"),
+    ({"rope_parameters": {"rope_type": "longrope"}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_theta"),
+    ({"rope_parameters": [1]}, "rope_parameters"),
+])
+def test_config_from_hf_refuses_a_bad_value_naming_the_key(change, key):
+    with pytest.raises(ConfigError) as ei:
+        config_from_hf(_hf(**change))
+    assert ei.value.key == key
+    assert str(ei.value).startswith(f"invalid config {key}=")
+
+
+def test_a_missing_required_key_names_the_model_type():
+    d = _hf("deepseek_v32")
+    del d["kv_lora_rank"]
+    with pytest.raises(ConfigError, match="kv_lora_rank=None: a required key of a deepseek_v32"):
+        config_from_hf(d)
+    with pytest.raises(ConfigError, match="must be a dict"):
+        config_from_hf([("model_type", "deepseek_v32")])

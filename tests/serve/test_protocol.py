@@ -1,0 +1,127 @@
+"""The OpenAI protocol layer without a server: strict parsing names the bad parameter, every
+unsupported parameter that would change the output is refused, stop strings are found across
+chunk boundaries and never emitted, errors map to OpenAI bodies and statuses."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hisparse_ray.errors import (
+    CapacityError, ConfigError, InvalidRequestError, StateError, TransferError,
+)
+from hisparse_ray.serve.protocol import (
+    ApiError, ChatRequest, CompletionRequest, StopStrings, api_error, parse,
+)
+from hisparse_ray.serve.server import check_text
+
+
+def _parse(model, body) -> object:
+    return parse(model, json.dumps(body).encode() if not isinstance(body, bytes) else body)
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{nope", None), (b"[1, 2]", None), ({"prompt": "x"}, "model"),
+    ({"model": "m", "prompt": "x", "temperature": "0.5"}, "temperature"),
+    ({"model": "m", "prompt": "x", "temperature": -1}, "temperature"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": "m", "prompt": "x", "top_k": -2}, "top_k"),
+    ({"model": "m", "prompt": "x", "seed": -1}, "seed"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n"),
+    ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "m", "prompt": "x", "bogus": 1}, "bogus"),
+    ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
+])
+def test_bad_completion_requests_name_the_parameter(body, param):
+    with pytest.raises(ApiError) as info:
+        req = _parse(CompletionRequest, body)
+        req.stop_strings()
+    assert info.value.status == 400 and info.value.param == param
+    assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"a": 1}]}, "tools"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_chat_requests_name_the_parameter(body, param):
+    with pytest.raises(ApiError) as info:
+        _parse(ChatRequest, body)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_good_requests_and_their_engine_arguments():
+    req = _parse(CompletionRequest, {"model": "m", "prompt": [[3, 4, 5]], "max_tokens": 4,
+                                     "seed": 7, "top_k": -1, "stop": "x", "n": 1, "user": "u"})
+    assert req.one_prompt() == [3, 4, 5] and req.stop_strings() == ["x"]
+    args = req.engine_args(req.max_tokens)
+    assert args == {"max_new_tokens": 4, "temperature": 1.0, "top_p": None, "top_k": -1,
+                    "seed": 7}  # OpenAI's default temperature is 1
+    chat = _parse(ChatRequest, {"model": "m", "temperature": 0, "max_completion_tokens": 3,
+                                "messages": [{"role": "user", "content": [
+                                    {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert [m.as_dict() for m in chat.messages] == [{"role": "user", "content": "ab"}]
+    with pytest.raises(ApiError, match="one per request"):
+        _parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}).one_prompt()
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="abcEND", max_size=40), stops=st.lists(
+    st.text(alphabet="abcEND", min_size=1, max_size=4), min_size=0, max_size=3),
+    seed=st.integers(0, 1000))
+def test_stop_strings_cut_at_the_first_match_whatever_the_chunks(text, stops, seed):
+    """Streamed in random pieces, the emitted text ends right before the stop string that
+    completes first (reading the text character by character), or is all of it."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    s = StopStrings(stops)
+    out, hit = "", False
+    for p in pieces:
+        emit, hit = s.push(p)
+        out += emit
+        if hit:
+            break
+    if not hit:
+        out += s.flush()
+    for end in range(len(text) + 1):  # the reference: one character at a time
+        done = [end - len(x) for x in stops if text[:end].endswith(x)]
+        if done:
+            assert (out, hit) == (text[:min(done)], True)
+            return
+    assert (out, hit) == (text, False)
+
+
+def test_errors_map_to_statuses_and_bodies():
+    from ray.serve.exceptions import BackPressureError
+
+    cases = [(CapacityError("prompt tokens", 9, 4), 413), (InvalidRequestError("-", "bad"), 400),
+             (ConfigError("top_p", 2, "in (0, 1]"), 400), (StateError("replica failed"), 503),
+             (TransferError("x"), 503), (TimeoutError("late"), 504),
+             (BackPressureError(num_queued_requests=1, max_queued_requests=1), 429)]
+    for err, status in cases:
+        api = api_error(err)
+        assert api.status == status and api.body()["error"]["message"]
+    assert api_error(KeyError("bug")) is None  # a bug stays a 500 with its traceback
+
+
+def test_text_is_checked_before_tokenizing():
+    assert check_text("prompt", "hello", 4) == "hello"
+    with pytest.raises(InvalidRequestError, match="index 1"):
+        check_text("prompt", "a\ud800b", 4)
+    with pytest.raises(CapacityError):
+        check_text("prompt", "x" * (4 * 64 + 1), 4)
