@@ -35,8 +35,7 @@ from hisparse_ray.core.records import RecordBook, RequestRecord
 from hisparse_ray.deploy import ReplicaSpec
 from hisparse_ray.errors import (
     CapacityError, ChannelError, ConfigError, DuplicateRequestError, HiSparseError,
-    InvalidRequestError, StateError,
-    UnknownRequestError,
+    InvalidRequestError, StateError, UnknownRequestError,
 )
 from hisparse_ray.landing.context import LandingContext
 from hisparse_ray.landing.staging import StagingPool
@@ -104,6 +103,7 @@ class ReplicaCoordinator:
             raise StateError("coordinator already started")
         self.channels = RankChannels(len(self.ranks), self.spec.wait_policy())
         ray.get([r.attach_channel.remote(spec) for r, spec in zip(self.ranks, self.channels.specs)])
+        self.channels.unlink()  # every rank mapped its rings
         self._thread = threading.Thread(target=self._step_loop, name="coordinator-steps", daemon=True)
         self._thread.start()
         self.metrics.start()
@@ -417,7 +417,7 @@ class ReplicaCoordinator:
         return [t for lander in self._landers for t in list(lander.trace)]  # copy: see metrics
 
     def get_step_trace(self) -> list[tuple]:
-        """(step, start, sent per rank, report found per rank, loaded per rank)
+        """(step, start, command sent, report found per rank, loaded per rank)
         ``perf_counter`` stamps of the recent steps (benchmarks; see ``DecodeWorker``)."""
         return list(self.channels.trace) if self.channels is not None else []
 
@@ -436,16 +436,16 @@ class ReplicaCoordinator:
                 with self.lock:
                     for adm in self.core.poll_waiting():
                         self._dispatch(adm)
-                    cmds = self.core.take_commands()
-                if not cmds:
+                    cmd = self.core.take_command()
+                if cmd is None:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                reports = self.channels.round_trip(cmds, timeout)
+                reports = self.channels.round_trip(cmd, timeout)
                 with self.cond:
                     for rep in reports:
                         self.core.apply_report(rep)
-                    self._account(cmds[0], reports[0])
+                    self._account(reports[0])
                     self.cond.notify_all()
         except (ChannelError, HiSparseError) as err:
             with self.cond:
@@ -457,9 +457,9 @@ class ReplicaCoordinator:
                 self.cond.notify_all()
             raise
 
-    def _account(self, cmd, report) -> None:
-        """(lock held) After a step: each request's new token (streams, latencies, stop ids),
-        hot-buffer counters, finished requests."""
+    def _account(self, report) -> None:
+        """(lock held) After a step, from rank 0's report (a token per batch row): each request's
+        new token (streams, latencies, stop ids), hot-buffer counters, finished requests."""
         now = time.monotonic()
         for rid, tok in report.sampled:
             rec = self.records.get(rid)
@@ -480,13 +480,13 @@ class ReplicaCoordinator:
             if rec is not None:
                 rec.hot_hits += hits
                 rec.hot_misses += misses
-        for row in cmd.batch:
-            rec = self.records.get(row.request_id)
+        for rid, _ in report.sampled:
+            rec = self.records.get(rid)
             if rec is None or rec.done:
                 continue
-            view = self.core.view(row.request_id)
+            view = self.core.view(rid)
             if view.state in (RequestState.FINISHED, RequestState.RELEASED):
-                self._collect(row.request_id)
+                self._collect(rid)
 
     def _collect(self, rid: str) -> None:
         """(lock held) Record a finished request's outcome and let the core forget it."""

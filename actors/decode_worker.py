@@ -17,7 +17,7 @@ import ray
 import torch
 
 from hisparse_ray.actors import tp
-from hisparse_ray.channel import stepcodec
+from hisparse_ray.channel import ring
 from hisparse_ray.channel.pair import ChannelPair
 from hisparse_ray.channel.ring import ChannelSpec
 from hisparse_ray.deploy import ReplicaSpec
@@ -67,7 +67,6 @@ class DecodeWorker:
         self._thread: threading.Thread | None = None
         self._channel: ChannelPair | None = None
         self._error: BaseException | None = None
-        self._sync_host_writes = spec.use_cuda and spec.tp_size > 1 and rank == 0
         self.steps = 0
         self.step_s = 0.0
         self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, execute s)
@@ -83,8 +82,8 @@ class DecodeWorker:
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "ip": tp.node_ip(), "gpu": str(gpu) if gpu is not None else None,
                 "tp_backend": dist.get_backend() if dist.is_initialized() else None,
-                # the step channel's C hot path (hisparse_ray.channel._wire) is built and on here
-                "native_wire": stepcodec.NATIVE is not None}
+                # the step rings' C ops (hisparse_ray.channel._ring) are built and on here
+                "native_ring": ring.NATIVE is not None}
 
     def rendezvous(self) -> tp.Rendezvous:
         if self.rank != 0:
@@ -137,7 +136,7 @@ class DecodeWorker:
         self.executor = HiSparseWorker(
             model, spec.hisparse, spec.layout, spec.num_device_blocks, self.pool, rank=self.rank,
             device=spec.device, max_requests=max(spec.num_device_blocks, spec.max_batch) + 1,
-            sync_host_writes=self._sync_host_writes,
+            host_wait_s=spec.step_timeout_s,
             kv_codec=row_codec(spec.kv_cache_dtype, model.cfg, model.dtype), fast=spec.fast_path,
             hot_counts_every=HOT_COUNTS_EVERY if spec.use_cuda else 1)
         self.engine = self._engine or NixlTransferEngine(
@@ -235,8 +234,8 @@ class DecodeWorker:
                     continue
                 t0 = time.perf_counter()
                 with self._lock:
-                    # with _sync_host_writes (rank 0, CUDA, TP > 1) execute finishes its host
-                    # writes before it returns: peers read them in their next forward
+                    # rank 0 returns with its host writes enqueued and published (the report
+                    # carries the generation); a peer's streams wait on it (cmd.host_seq)
                     report = self.executor.execute(cmd)
                 t1 = time.perf_counter()
                 dt = t1 - t0

@@ -52,8 +52,9 @@ from hisparse_ray.fastpath.executor import FastExecutor
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
 from hisparse_ray.model.config import tiny_config
 from hisparse_ray.model.model import DSAModel
+from hisparse_ray.rank.executor import Row
 from hisparse_ray.rank.runtime import HiSparseRuntime
-from hisparse_ray.types import BatchRow, RequestId
+from hisparse_ray.types import RequestId
 
 GIB = 1 << 30
 HOST_RAM = 128 * GIB  # the H200 machine
@@ -237,7 +238,7 @@ class Setup:
             n = self.ctx + 1 + s
             self.trace_buf[:, :B].copy_(trace[s % trace.shape[0], :, :B])
             t0 = time.perf_counter()
-            rows = [ex.row_input(BatchRow(rid, n, 1, ())) for rid in self.rids[:B]]
+            rows = [ex.row_input(Row(rid, n, 1, None)) for rid in self.rids[:B]]
             ex.step.inputs.fill(rows, bucket)
             e0, e1 = _events(self.device)
             ex.step.run(bucket)

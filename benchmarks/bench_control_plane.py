@@ -35,7 +35,7 @@ import torch
 from hisparse_ray.actors import launch
 from hisparse_ray.actors.prefill_worker import PrefillWorker
 from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
-from hisparse_ray.types import BatchRow, RequestId, StepCommand, TableDiff
+from hisparse_ray.types import BatchRow, RequestHandle, RequestId, StepCommand, TableDiff
 
 
 def _us(xs: list[float]) -> dict:
@@ -46,10 +46,11 @@ def _us(xs: list[float]) -> dict:
 
 def _step_sized_command(rows: int = 16) -> StepCommand:
     """A StepCommand of a realistic size (batch of ``rows`` with hot blocks and table diffs)."""
-    batch = tuple(BatchRow(RequestId(f"req-{i:04d}"), 4000 + i, 17, tuple(range(3 * i, 3 * i + 3)))
+    batch = tuple(BatchRow(i, 4000 + i, 17, tuple(range(3 * i, 3 * i + 3)))
                   for i in range(rows))
-    diffs = tuple(TableDiff(RequestId(f"req-{i:04d}"), 62, 100 + i, -1) for i in range(rows))
-    return StepCommand(1, 0, batch, diffs)
+    diffs = tuple(TableDiff(i, 62, 100 + i, -1) for i in range(rows))
+    handles = tuple(RequestHandle(i, RequestId(f"req-{i:04d}")) for i in range(rows))
+    return StepCommand(1, batch, diffs, handles=handles)
 
 
 def bench_control_plane(rep, probes: int) -> dict:
@@ -78,8 +79,8 @@ def bench_control_plane(rep, probes: int) -> dict:
                 if all(s in log for log in rank_logs)]
     stages = step_stages(ray.get(coord.get_step_trace.remote()),
                          ray.get([r.get_step_trace.remote() for r in ranks]))
-    native = [ray.get(r.node_info.remote())["native_wire"] for r in ranks]
-    return {"native_wire": native, "shm_empty_step_round_trip": _us(shm),
+    native = [ray.get(r.node_info.remote())["native_ring"] for r in ranks]
+    return {"native_ring": native, "shm_empty_step_round_trip": _us(shm),
             "real_step_overhead": _us(overhead),
             "ray_call_one_rank": _us(plain), "ray_call_fanout_tp2": _us(fanout),
             "real_step_stages": stages}
@@ -87,21 +88,19 @@ def bench_control_plane(rep, probes: int) -> dict:
 
 def step_stages(coord_trace: list, rank_traces: list[list]) -> dict:
     """Median microseconds of each stage of a real step, per rank, from the coordinator's and the
-    ranks' ``perf_counter`` traces (one clock on one host): the coordinator encodes and writes the
-    command (``c_send``), the rank finds it (``r_wake``), decodes it (``r_decode``), executes,
-    encodes and writes its report (``r_report``); the coordinator finds it (``c_wake``) and decodes
-    it (``c_decode``). ``c_send`` of rank r counts from the previous rank's send."""
+    ranks' ``perf_counter`` traces (one clock on one host): the coordinator encodes and
+    broadcasts the one command (``c_send``), the rank finds it (``r_wake``), decodes it
+    (``r_decode``), executes, encodes and writes its report (``r_report``); the coordinator finds
+    it (``c_wake``) and decodes it (``c_decode``)."""
     by_step = [{t[0]: t for t in tr} for tr in rank_traces]
     cols: dict[str, list[float]] = collections.defaultdict(list)
     for step, t0, sent, found, decoded in coord_trace:
         if not all(step in b for b in by_step):
             continue
-        prev = t0
+        cols["c_send"].append(sent - t0)
         for r, b in enumerate(by_step):
             _, r_found, r_dec, r_exec, r_sent = b[step]
-            cols[f"r{r} c_send"].append(sent[r] - prev)
-            prev = sent[r]
-            cols[f"r{r} r_wake"].append(r_found - sent[r])
+            cols[f"r{r} r_wake"].append(r_found - sent)
             cols[f"r{r} r_decode"].append(r_dec - r_found)
             cols[f"r{r} execute"].append(r_exec - r_dec)
             cols[f"r{r} r_report"].append(r_sent - r_exec)
@@ -234,13 +233,13 @@ def main() -> int:
                     help="ReplicaSpec.landing_push_with_prefill (bare flag: always): one-chunk "
                          "landings push in the prefill call (e2e then counts from the worker's "
                          "prefill end); auto only while the staging pool keeps room for another")
-    ap.add_argument("--wire", choices=["native", "python"], default="native",
-                    help="the step channel's codec and ring: the C hot path "
-                         "(hisparse_ray.channel._wire, where built) or its pure-Python twin (HISPARSE_NATIVE_WIRE=0)")
+    ap.add_argument("--ring", choices=["native", "python"], default="native",
+                    help="the step rings' ops: C (hisparse_ray.channel._ring, where built) or "
+                         "Python (HISPARSE_NATIVE_RING=0); the codec is msgspec either way")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
-    env = {"HISPARSE_NATIVE_WIRE": "1" if args.wire == "native" else "0"}
+    env = {"HISPARSE_NATIVE_RING": "1" if args.ring == "native" else "0"}
     ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), num_gpus=1 if gpu else 0,
              include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     try:
@@ -310,7 +309,8 @@ def main() -> int:
 
 
 def _print_control(cp: dict, machine: str) -> None:
-    print(f"\ncontrol plane at TP 2 ({machine}; C hot path on the ranks: {cp['native_wire']}):")
+    print(f"\ncontrol plane at TP 2 ({machine}; one broadcast command per step, msgspec codec; "
+          f"C ring ops on the ranks: {cp['native_ring']}):")
     print(f"{'measurement':<32} {'median us':>10} {'p90 us':>10} {'n':>6}")
     for k, v in cp.items():
         if isinstance(v, dict) and "median_us" in v:

@@ -1,13 +1,18 @@
-"""The step channel's four control-plane stages, C hot path (``hisparse_ray.channel._wire``)
-against the pure-Python twin, warm and on evicted caches, in one process.
+"""The per-step wire's four control-plane stages at TP ``--tp``, warm and on evicted caches, in one
+process: the coordinator encodes and writes ONE command (``command send``), each rank reads and
+decodes it from the broadcast ring (``command recv``, per rank), a rank encodes and writes its
+report (``report send``), the coordinator reads and decodes it (``report recv``). The step codec
+(``msgspec``, typed, stateless) through the rings' C ops (``hisparse_ray.channel._ring``, where
+built) and through their Python ops, against plain pickle through Python rings (the baseline).
 
 A real decode step runs each stage right after code that evicts the caches (the model's forward on
-the ranks, the scheduler on the coordinator); on the H200 that made the Python stages 3-5x slower
-than warm. "cold" here evicts before every timed stage: a 16 MB fill plus 100 small torch ops.
-Messages are shaped like the actor benchmark's (4 host-tier rows with hot buffers and a backup
-each; a report with 4 sampled tokens and per-request hits).
+the ranks, the scheduler on the coordinator); on the H200 that made Python stages 3-5x slower than
+warm. "cold" evicts before every timed stage: a 16 MB fill plus 100 small torch ops. Messages are
+shaped like a real step's (``--rows`` host-tier rows with a backup each, handles known, hot
+buffers unchanged; every 16th step defines a new request; a report with sampled tokens and
+per-request hits).
 
-    python benchmarks/bench_wire.py [--steps 300] [--out benchmarks/results/wire.json]
+    python benchmarks/bench_wire.py [--steps 300] [--tp 2] [--out benchmarks/results/wire.json]
 """
 
 from __future__ import annotations
@@ -20,30 +25,35 @@ from pathlib import Path
 
 import torch
 
-from hisparse_ray.channel.ring import ShmChannel
-from hisparse_ray.channel.stepcodec import NATIVE, StepCodec
-from hisparse_ray.types import Backup, BatchRow, Rank, RequestId, StepCommand, StepReport
+from hisparse_ray.channel.codec import PickleCodec, StepCodec
+from hisparse_ray.channel.ring import NATIVE, ShmRing
+from hisparse_ray.types import (
+    Backup, BatchRow, Rank, RequestHandle, RequestId, StepCommand, StepReport,
+)
 
 STAGES = ("command send", "command recv", "report send", "report recv")
 
 
-def command(step: int) -> StepCommand:
-    rows = tuple(BatchRow(RequestId(f"req-{i}"), 150 + step, 1000 + i, tuple(range(i, i + 4)))
-                 for i in range(4))
-    backups = tuple(Backup(step * 4 + i, RequestId(f"req-{i}"), 150 + step, 30 + i,
-                           (150 + step) % 8) for i in range(4))
-    return StepCommand(step, Rank(0), rows, backups=backups)
+def command(step: int, rows: int) -> StepCommand:
+    new = step % 16 == 0
+    batch = tuple(BatchRow(i, 150 + step, 1000 + i, tuple(range(i, i + 4)) if new and i == 0
+                           else None) for i in range(rows))
+    backups = tuple(Backup(step * rows + i, i, 150 + step, 30 + i, (150 + step) % 8)
+                    for i in range(rows))
+    handles = (RequestHandle(0, RequestId(f"req-{step}")),) if new else ()
+    return StepCommand(step, batch, backups=backups, handles=handles, host_seq=step - 1)
 
 
-def report(step: int) -> StepReport:
-    return StepReport(step, Rank(0), enqueued=tuple(range(step * 4, step * 4 + 4)),
-                      completed=tuple(range(step * 4 - 4, step * 4)),
-                      sampled=tuple((f"req-{i}", 7 + i) for i in range(4)), hot_hits=10,
-                      hot_misses=2, hits_by_request=tuple((f"req-{i}", 3, 1) for i in range(4)))
+def report(step: int, rows: int) -> StepReport:
+    return StepReport(step, Rank(0), enqueued=tuple(range(step * rows, step * rows + rows)),
+                      completed=tuple(range(step * rows - rows, step * rows)),
+                      sampled=tuple((f"req-{i}", 7 + i) for i in range(rows)), hot_hits=10,
+                      hot_misses=2, hits_by_request=tuple((f"req-{i}", 3, 1) for i in range(rows)),
+                      published=step)
 
 
-def run(native: bool, cold: bool, steps: int) -> dict[str, float]:
-    """Median microseconds per stage."""
+def run(codec, native: bool, cold: bool, steps: int, tp: int, rows: int) -> dict[str, float]:
+    """Median microseconds per stage (``command recv``: each rank's, pooled)."""
     scratch, xs = torch.empty(4 << 20), torch.ones(64)
 
     def evict() -> None:
@@ -52,21 +62,19 @@ def run(native: bool, cold: bool, steps: int) -> dict[str, float]:
         for _ in range(100):
             xs = xs * 1.0001 + 1
 
-    chans = []
-    for _ in range(2):
-        out = ShmChannel.create("sender", codec=StepCodec(native=native))
-        inn = ShmChannel.attach(out.spec, codec=StepCodec(native=native))
-        if not native:
-            out._ring = inn._ring = None
-        chans.append((out, inn))
-    (cout, cin), (rout, rin) = chans
+    cmd_out = ShmRing.create("writer", readers=tp, codec=codec, native=native)
+    cmd_in = [ShmRing.attach(cmd_out.spec_for(r), codec=codec, native=native) for r in range(tp)]
+    rep_in = ShmRing.create("reader", codec=codec, native=native)
+    rep_out = ShmRing.attach(rep_in.spec, codec=codec, native=native)
     times: dict[str, list[float]] = {k: [] for k in STAGES}
     pc = time.perf_counter
     try:
         for s in range(1, steps + 1):
-            cmd, rep = command(s), report(s)
-            for stage, fn, arg in (("command send", cout.send, cmd), ("command recv", cin.recv, None),
-                                   ("report send", rout.send, rep), ("report recv", rin.recv, None)):
+            cmd, rep = command(s, rows), report(s, rows)
+            plan = [("command send", cmd_out.send, cmd)]
+            plan += [("command recv", ring.recv, None) for ring in cmd_in]
+            plan += [("report send", rep_out.send, rep), ("report recv", rep_in.recv, None)]
+            for stage, fn, arg in plan:
                 if cold:
                     evict()
                 t0 = pc()
@@ -75,35 +83,45 @@ def run(native: bool, cold: bool, steps: int) -> dict[str, float]:
                 if arg is None:
                     assert got == (cmd if stage == "command recv" else rep)
     finally:
-        for out, inn in chans:
-            out.close()
-            inn.close()
+        for ring in (cmd_out, *cmd_in, rep_in, rep_out):
+            ring.close()
     return {k: statistics.median(v) * 1e6 for k, v in times.items()}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--tp", type=int, default=2, help="readers of the command broadcast")
+    ap.add_argument("--rows", type=int, default=4, help="batch rows (host tier, one backup each)")
     ap.add_argument("--out", default="benchmarks/results/wire.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    impls = ["python"] + (["native"] if NATIVE is not None else [])
+    sizes = {"command bytes": len(StepCodec().dumps(command(1, args.rows))),
+             "report bytes": len(StepCodec().dumps(report(1, args.rows)))}
+    impls = [("msgspec+C", StepCodec(), True)] if NATIVE is not None else []
+    impls += [("msgspec+py", StepCodec(), False), ("pickle+py", PickleCodec(), False)]
     rows = {}
-    for impl in impls:
+    for name, codec, native in impls:
         for cold in (False, True):
-            rows[f"{impl} {'cold' if cold else 'warm'}"] = run(impl == "native", cold, args.steps)
-    print(f"step channel stages, median us ({args.steps} steps; cold = caches evicted first):")
-    print(f"{'impl':<14}" + "".join(f"{s:>14}" for s in STAGES) + f"{'sum':>10}")
+            rows[f"{name} {'cold' if cold else 'warm'}"] = run(codec, native, cold, args.steps,
+                                                               args.tp, args.rows)
+    # the step's critical path: one command send, the slower rank's recv, one report each way
+    crit = {k: sum(v.values()) for k, v in rows.items()}
+    print(f"per-step wire stages at TP {args.tp}, median us ({args.steps} steps, {args.rows} rows; "
+          f"cold = caches evicted first; {sizes['command bytes']} B command, "
+          f"{sizes['report bytes']} B report):")
+    print(f"{'impl (+ring)':<16}" + "".join(f"{s:>14}" for s in STAGES) + f"{'sum':>10}")
     for k, v in rows.items():
-        print(f"{k:<14}" + "".join(f"{v[s]:>14.1f}" for s in STAGES) + f"{sum(v.values()):>10.1f}")
+        print(f"{k:<16}" + "".join(f"{v[s]:>14.1f}" for s in STAGES) + f"{crit[k]:>10.1f}")
     if NATIVE is None:
-        print("hisparse_ray.channel._wire is not built: Python only")
-    else:
-        for c in ("warm", "cold"):
-            print(f"C / Python, {c}: {sum(rows[f'native {c}'].values()) / sum(rows[f'python {c}'].values()):.2f}x")
+        print("hisparse_ray.channel._ring is not built: Python rings only")
+    for c in ("warm", "cold"):
+        for name, _, _ in impls[:-1]:
+            print(f"{name} / pickle+py, {c}: {crit[f'{name} {c}'] / crit[f'pickle+py {c}']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": args.steps,
+        "tp": args.tp, "rows": args.rows, "c_ring_built": NATIVE is not None, **sizes,
         "median_us": rows}, indent=2))
     print(f"wrote {args.out}")
     return 0

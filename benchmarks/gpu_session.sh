@@ -14,8 +14,10 @@
 #   or, 16K landings under the default push-with-prefill "auto":  ... landing-auto
 #   or, 16K landings with push-with-prefill never / always / auto:  ... landing-pwp
 #   or, every gpu test and the control plane once more:  ... final
-#   or, the actor-system gpu tests, the codec's C tests and the control plane (~4 min):  ... check
-#   or, the step channel's C hot path vs Python (micro and actor control plane):  ... wire
+#   or, the actor-system gpu tests, the channel tests and the control plane (~4 min):  ... check
+#   or, issue #16 B2 + B3 (~3 min; call 2 carries .device-wheels/nixl AND .device-wheels/wire,
+#       msgspec's cp312 wheel): the host-ordering gpu tests, the wire bench, the control plane
+#       and the TP 2 step time:  bash benchmarks/gpu_session.sh b23
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -26,16 +28,19 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|wire|landing-auto|landing-pwp|final|check)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|b23|landing-auto|landing-pwp|final|check)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/nixl/*.whl
     fi
+    if [ -d .device-wheels/wire ]; then  # msgspec (the step codec): not on the image
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/wire/*.whl
+    fi
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
       python3 -m pip install --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -5
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-    python3 -c "import torch, cupy, ray, nixl, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
+    python3 -c "import torch, cupy, ray, nixl, transformers, msgspec; print('torch', torch.__version__, 'cupy', cupy.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
     # full logs under $OUT; the reply shows progress lines and tables only
     keep='^ +\[|phases|replica up|^landing|^path|^direct|^staged|^control|^measure|^shm|^ray|^Ray|^[a-z_ ]+[0-9.]+ +[0-9.]+|Error|error'
     land() {  # land NAME TIMEOUT ARGS...: one bench_control_plane landing run
@@ -73,15 +78,15 @@ case "${1:-run}" in
           > "$OUT/tp_profile.log" 2>&1
         grep -E "^ +[0-9. ]+%|rank [01]:|^tp|^layout|up in|py-spy|Error" "$OUT/tp_profile.log" | cut -c1-120 | tail -75
         exit 0 ;;
-      check)  # ~4 min: the actor-system gpu tests, the step codec's C tests, the control plane
+      check)  # ~4 min: the actor-system gpu tests, the channel tests, the control plane
         timeout 200 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_gpu.py \
-          tests/channel/test_native_wire.py tests/channel/test_stepcodec.py 2>&1 \
+          tests/channel/test_codec.py tests/channel/test_channel.py 2>&1 \
           | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
         timeout 100 python3 benchmarks/bench_control_plane.py --only control --probes 500 \
           --out "$OUT/control_plane_check.json" > "$OUT/control_plane_check.log" 2>&1
         grep -E "$keep|hot path|^stages" "$OUT/control_plane_check.log" | tail -9
         exit 0 ;;
-      final)  # ~8 min: every gpu test, then the control plane once more (C hot path)
+      final)  # ~8 min: every gpu test, then the control plane once more
         timeout 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" \
           | grep -E "passed|failed|FAILED|Error" | tail -12
         timeout 150 python3 benchmarks/bench_control_plane.py --only control --probes 1000 \
@@ -114,21 +119,20 @@ case "${1:-run}" in
           --new-tokens 32 --out "$OUT/tp_landing.json" > "$OUT/tp_landing.log" 2>&1
         grep -E "$keep|^tp|^layout|up in|^decode" "$OUT/tp_landing.log" | tail -10
         exit 0 ;;
-      wire)  # ~5 min: the C hot path built here?, its tests, bench_wire, control plane Python vs C
-        gcc --version | head -1; python3 -c "import sysconfig, os; h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); print('Python.h', os.path.exists(h))"
-        python3 -c "from hisparse_ray.channel.stepcodec import NATIVE; print('native wire:', NATIVE)"
-        timeout 90 python3 -m pytest -q -p no:cacheprovider tests/channel/test_native_wire.py \
-          tests/channel/test_stepcodec.py tests/channel/test_channel.py 2>&1 | tail -2
-        timeout 60 python3 benchmarks/bench_wire.py --out "$OUT/wire.json" 2>&1 | tail -9
-        for w in python native; do
-          timeout 150 python3 benchmarks/bench_control_plane.py --only control --probes 1000 \
-            --wire "$w" --out "$OUT/control_plane_$w.json" > "$OUT/control_plane_$w.log" 2>&1
-          grep -E "$keep|hot path|^stages" "$OUT/control_plane_$w.log" | tail -9
+      b23)  # ~3 min: issue #16 B2 (rank 0's events order the peers) and B3 (one wire)
+        timeout 85 python3 -m pytest -q -p no:cacheprovider -m "gpu and not two_gpus" \
+          tests/host/test_ray.py "tests/e2e/test_gpu.py::test_tp2_landings_spills_restores_backups_match_full_resident" \
+          2>&1 | tee "$OUT/b23_tests.log" | grep -E "passed|failed|FAILED|Error|^tp2" | tail -12
+        timeout 15 python3 benchmarks/bench_wire.py --tp 2 --steps 200 --out "$OUT/wire_b23.json" 2>&1 | tail -11
+        # the Python ring first: if it meets the target, _ring.c can go; then the C ring
+        for r in python native; do
+          timeout 50 python3 benchmarks/bench_control_plane.py --only control --probes 200 --ring "$r" \
+            --out "$OUT/control_plane_b23_$r.json" > "$OUT/control_plane_b23_$r.log" 2>&1
+          grep -E "$keep|^stages" "$OUT/control_plane_b23_$r.log" | tail -7
         done
         exit 0 ;;
-      control)  # ~4 min: codec/channel bench and the actor system's control plane
-        timeout 100 python3 benchmarks/bench_channel.py --configs old codec new yield \
-          --out "$OUT/channel.json" > "$OUT/channel.log" 2>&1; tail -30 "$OUT/channel.log"
+      control)  # ~3 min: the wire bench and the actor system's control plane
+        timeout 60 python3 benchmarks/bench_wire.py --out "$OUT/wire.json" 2>&1 | tail -9
         timeout 120 python3 benchmarks/bench_control_plane.py --only control --probes 1000 \
           --out "$OUT/control_plane.json" > "$OUT/control_plane.log" 2>&1
         grep -E "$keep" "$OUT/control_plane.log" | tail -10
@@ -144,7 +148,7 @@ case "${1:-run}" in
     fi
     for b in "bench_decode.py --out $OUT/decode.json" "bench_copies.py" \
              "bench_landing.py --src cuda --dst cpu" "bench_landing.py --src cuda --dst cuda" \
-             "bench_channel.py" "bench_hot_counts.py --out $OUT/hot_counts.json"; do
+             "bench_wire.py --out $OUT/wire.json" "bench_hot_counts.py --out $OUT/hot_counts.json"; do
       echo "== $b"
       timeout 60 python3 benchmarks/$b 2>&1 | tail -25 | tee -a "$OUT/benches.log"
     done

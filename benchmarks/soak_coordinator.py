@@ -2,7 +2,7 @@
 
 Usage:  python benchmarks/soak_coordinator.py [--ops 1000000] [--seed 0] [--check-every 1]
 
-Random interleavings of admit, poll, landing (and landing failure), take_commands, per-rank
+Random interleavings of admit, poll, landing (and landing failure), take_command, per-rank
 out-of-order reports, finish, free, restore and bad input, on small pools (constant pressure:
 spills, restores, evictions, stalls). ``check_invariants`` (including "the pools cover every
 admission reservation") and the reference worker's content checks run every ``--check-every``

@@ -253,7 +253,7 @@ class CoordinatorConfig:
     page_size: positions per page (host block and resident device block alike).
     device_buffer_size: H, hot slots per request; a host-tier request leases
         ``hot_blocks_per_request = ceil((H + 1) / page_size)`` device blocks.
-    tp_size: TP ranks; every command is emitted once per rank and every transfer needs acks from
+    tp_size: TP ranks; every command is broadcast to them all and every transfer needs acks from
         every rank.
     max_batch: most requests in one decode step.
     page_bytes / row_bytes: bytes of one page / one position across all layers (for byte

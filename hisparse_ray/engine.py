@@ -211,6 +211,8 @@ class Engine:
                 and rid not in self.worker.runtime.requests):  # no step ever named it
             self.worker.index.pop(rid, None)
             self.worker.samplers.pop(rid, None)
+            if self.worker.fast is not None:  # its paged index keys
+                self.worker.fast.release(rid)
         return self.result(request_id)
 
     # -- stepping --------------------------------------------------------------------------------
@@ -218,13 +220,12 @@ class Engine:
         """Admit what fits, run one decode step. False when nothing could be done."""
         for adm in self.core.poll_waiting():
             self._land(adm)
-        cmds = self.core.take_commands()
-        if not cmds:
+        cmd = self.core.take_command()
+        if cmd is None:
             return False
-        for cmd in cmds:
-            with torch.no_grad():
-                report = self.worker.execute(cmd)
-            self.core.apply_report(report)
+        with torch.no_grad():
+            report = self.worker.execute(cmd)
+        self.core.apply_report(report)
         self.steps += 1
         return True
 

@@ -1,8 +1,10 @@
-"""The wire module: every value that crosses a process boundary (pure ring: standard library only).
+"""The wire module: every value that crosses a process boundary (pure ring: standard library and
+``msgspec``, the step messages' codec).
 
-Small frozen dataclasses of ints and tuples, with ``NewType`` ids so that a host block id cannot be
+Small frozen records of ints and tuples, with ``NewType`` ids so that a host block id cannot be
 passed where a device block id is expected. Commands carry diffs, not snapshots. Three groups:
-the decode step (``StepCommand`` / ``StepReport`` over the shared-memory channel), the coordinator's
+the decode step (``StepCommand`` / ``StepReport``: ``msgspec.Struct``s, one typed codec in
+:mod:`hisparse_ray.channel.codec`, over the shared-memory channel), the coordinator's
 answers (``Admission``, ``RequestView``, counters), and a landing (the ``RegionDesc``s a peer
 WRITEs into, ``RankEndpoint``, ``LandingOrder`` / ``LandingDest`` to the prefill worker,
 ``RankLandingStep`` to each rank; they ride Ray calls as :func:`pack`'s bytes).
@@ -21,8 +23,10 @@ from __future__ import annotations
 import enum
 import functools
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NewType
+
+import msgspec
 
 from hisparse_ray.errors import ConfigError, TransferError
 
@@ -47,8 +51,13 @@ class TransferKind(enum.Enum):
     RESTORE = "restore"  # host block -> resident device page (all layers)
 
 
-@dataclass(frozen=True, slots=True)
-class PageTransfer:
+class _Wire(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True):
+    """Base of the per-step messages: frozen, encoded as a MessagePack array of the fields in
+    order (no field names on the wire; a decoder refuses extra elements), never tracked by the
+    garbage collector (ints, strings and tuples of them only: no reference cycles)."""
+
+
+class PageTransfer(_Wire):
     """Copy one page (all layers) between the device pool and the host pool."""
 
     transfer_id: TransferId
@@ -57,57 +66,71 @@ class PageTransfer:
     host_block: HostBlockId
 
 
-@dataclass(frozen=True, slots=True)
-class Backup:
+class RequestHandle(_Wire):
+    """Defines ``handle`` as the name of ``request_id`` from this command on (until a command
+    lists it in ``released``; a released handle may be defined again for another request)."""
+
+    handle: int
+    request_id: RequestId
+
+
+class Backup(_Wire):
     """Eager backup: after this step's forward, copy the newest token's rows (all layers) from the
     request's reserved slot to ``host_block``/``offset``. The next forward waits on it."""
 
     transfer_id: TransferId
-    request_id: RequestId
+    handle: int
     position: int
     host_block: HostBlockId
     offset: int
 
 
-@dataclass(frozen=True, slots=True)
-class TableDiff:
+class TableDiff(_Wire):
     """Set one page of a request's block tables (``NO_BLOCK`` clears an entry)."""
 
-    request_id: RequestId
+    handle: int
     page: int
     host_block: int  # HostBlockId or NO_BLOCK
     device_block: int  # DeviceBlockId (resident page) or NO_BLOCK
 
 
-@dataclass(frozen=True, slots=True)
-class BatchRow:
+class BatchRow(_Wire):
     """One request in this step's decode batch.
 
     seq_len: n, the number of positions after this step's token is written (newest = n - 1).
-    hot_blocks: the device blocks of the request's hot buffer (empty for fully resident requests).
+    hot_blocks: a diff: the device blocks of the request's hot buffer (``()`` for a fully resident
+        request) when they changed since the request's previous row (always in its first row),
+        ``None`` when unchanged.
     """
 
-    request_id: RequestId
+    handle: int
     seq_len: int
     input_token: int
-    hot_blocks: tuple[DeviceBlockId, ...] = ()
+    hot_blocks: tuple[DeviceBlockId, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class StepCommand:
-    """What one TP rank executes for one decode step."""
+class StepCommand(_Wire, tag=1):
+    """What every TP rank executes for one decode step: ONE message, broadcast to all ranks.
+
+    A diff against the previous commands, never a snapshot; a rank applies it in this order:
+    ``released`` handles are forgotten (with their request's state), ``handles`` defined, the
+    peers' streams wait until host-pool generation ``host_seq`` is published (rank 0's writes of
+    the steps before: see docs/architecture.md "How the ranks are ordered"), ``table_diffs``
+    applied, ``transfers`` enqueued, ``batch`` run (a row's ``hot_blocks`` bind a new hot
+    buffer), ``backups`` enqueued. Requests are named by the integer handles of ``handles``
+    (this or an earlier command); the codec holds no state."""
 
     step: int
-    rank: Rank
-    batch: tuple[BatchRow, ...]
+    batch: tuple[BatchRow, ...] = ()
     table_diffs: tuple[TableDiff, ...] = ()
     transfers: tuple[PageTransfer, ...] = ()
     backups: tuple[Backup, ...] = ()
-    released: tuple[RequestId, ...] = ()  # requests whose worker-side state may be dropped
+    released: tuple[int, ...] = ()  # handles whose request's rank-side state may be dropped
+    handles: tuple[RequestHandle, ...] = ()  # handles named from this command on
+    host_seq: int = 0  # host-pool generation the peers wait for before reading host rows
 
 
-@dataclass(frozen=True, slots=True)
-class StepReport:
+class StepReport(_Wire, tag=2):
     """What one TP rank reports back after a step: transfer acks and (rank 0) sampled tokens."""
 
     step: int
@@ -119,6 +142,9 @@ class StepReport:
     hot_misses: int = 0
     # (request, hits, misses) per batch row, summed over anchor layers (added by actors; additive)
     hits_by_request: tuple[tuple[RequestId, int, int], ...] = ()
+    # rank 0: the host pool's published generation after this step (its writes so far); the
+    # next command carries it to the peers as ``host_seq``
+    published: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,2 +1,3 @@
 """The per-step channel between a coordinator and its co-located TP ranks (adapter ring, standard
-library): a shared-memory ring per direction, its futex waits, and the step codec."""
+library + msgspec): one shared-memory ring broadcasting each step's command to every rank, one
+ring per rank for its report, their futex waits, and the one stateless step codec."""

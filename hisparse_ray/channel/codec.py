@@ -1,18 +1,24 @@
-"""What a channel codec is (adapter ring, standard library): the ``Codec`` protocol, plain pickle
-(any object; the fallback and the benchmarks' baseline), and slot-setting constructors for the
-wire dataclasses. The step channels' default codec is
-:class:`~hisparse_ray.channel.stepcodec.StepCodec`.
+"""The step channel's codecs (adapter ring): the ``Codec`` protocol, :class:`StepCodec` (the one
+codec of the per-step wire: ``StepCommand`` and ``StepReport`` as MessagePack through one
+``msgspec`` encoder and one typed decoder) and plain pickle (any object; tests and baselines).
 
-Pickling a ``slots=True`` dataclass goes through Python-level ``__getstate__``/``__setstate__``
-per object: a 32-request ``StepCommand`` (~100 small objects) costs hundreds of microseconds each
-way, more than the whole per-step budget; ``StepCodec`` rebuilds them with
-:func:`slot_constructor` instead.
+``StepCodec`` holds no state: a command names requests by the integer handles it defines and
+carries hot-buffer changes as diffs (:mod:`hisparse_ray.types`), so any message decodes alone,
+every reader of a broadcast decodes the same bytes, and a lost or corrupt message cannot put a
+later one out of step. Corrupt bytes raise ``ChannelError`` (msgspec validates every field's type
+while decoding, and checks every length against the bytes left before allocating: the fuzz test
+in ``tests/channel`` runs it under an address-space limit).
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+
+import msgspec
+
+from hisparse_ray.errors import ChannelError
+from hisparse_ray.types import StepCommand, StepReport
 
 _PROTO = pickle.HIGHEST_PROTOCOL
 
@@ -25,26 +31,38 @@ class Codec(Protocol):
     def loads(self, data: bytes) -> Any: ...
 
 
+class StepCodec:
+    """``StepCommand`` / ``StepReport`` <-> MessagePack (each a tagged array of its fields).
+
+    ``dumps`` refuses anything else (``TypeError``); ``loads`` returns exactly one of the two
+    types with every field checked against its annotation, or raises ``ChannelError``. Stateless:
+    one instance may serve any number of channels and threads."""
+
+    __slots__ = ("_enc", "_dec")
+
+    def __init__(self) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(StepCommand | StepReport)
+
+    def dumps(self, obj: Any) -> bytes:
+        cls = type(obj)
+        if cls is not StepCommand and cls is not StepReport:
+            raise TypeError(f"the step codec carries StepCommand and StepReport, not {cls.__name__}")
+        return self._enc.encode(obj)
+
+    def loads(self, data: bytes) -> StepCommand | StepReport:
+        try:
+            return self._dec.decode(data)
+        except (msgspec.DecodeError, ValueError, RecursionError) as err:
+            # DecodeError (ValidationError is one), a string that is not UTF-8 (ValueError)
+            raise ChannelError(f"unreadable step message: {err!r}") from None
+
+
 class PickleCodec:
-    """Plain pickle (highest protocol): any picklable object."""
+    """Plain pickle (highest protocol): any picklable object. Trusts its bytes (tests, tools)."""
 
     def dumps(self, obj: Any) -> bytes:
         return pickle.dumps(obj, protocol=_PROTO)
 
     def loads(self, data: bytes) -> Any:
         return pickle.loads(data)
-
-
-def slot_constructor(cls: type, names: list[str]) -> Callable[..., Any]:
-    """A positional constructor for a frozen ``slots=True`` dataclass that sets the slots through
-    their descriptors: the generated ``__init__`` of a frozen class pays an ``object.__setattr__``
-    lookup per field (~1.6x slower). Classes with ``__post_init__`` or without slots keep theirs."""
-    if hasattr(cls, "__post_init__") or not all(
-            type(getattr(cls, n, None)).__name__ == "member_descriptor" for n in names):
-        return cls
-    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
-    env.update({f"_set_{n}": getattr(cls, n).__set__ for n in names})
-    args = ", ".join(names)
-    body = "".join(f"    _set_{n}(obj, {n})\n" for n in names)
-    exec(f"def make({args}):\n    obj = _new(_cls)\n{body}    return obj\n", env)  # noqa: S102
-    return env["make"]

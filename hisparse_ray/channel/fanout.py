@@ -1,6 +1,7 @@
-"""The coordinator's end of the step channels (adapter ring, standard library): one
-:class:`~hisparse_ray.channel.pair.ChannelPair` per TP rank; a step sends each rank its command
-and gathers one report per rank in arrival order, with ``perf_counter`` stamps of every stage.
+"""The coordinator's end of the step channels (adapter ring, standard library): ONE ring that
+broadcasts each step's command to every TP rank, and one report ring per rank; a step sends the
+command once and gathers one report per rank in arrival order, with ``perf_counter`` stamps of
+every stage.
 """
 
 from __future__ import annotations
@@ -8,55 +9,59 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Sequence
 
-from hisparse_ray.channel.pair import ChannelPair
-from hisparse_ray.channel.ring import ChannelSpec, WaitPolicy
+from hisparse_ray.channel.ring import ChannelSpec, ShmRing, WaitPolicy
 from hisparse_ray.errors import ChannelTimeoutError, StateError
-from hisparse_ray.types import Rank, StepCommand, StepReport
+from hisparse_ray.types import StepCommand, StepReport
 
-REPORT_POLL_S = 0.005  # per-channel wait while collecting a step's reports
+REPORT_POLL_S = 0.005  # per-ring wait while collecting a step's reports
 
 
 class RankChannels:
-    """The coordinator's channel pairs to its ``n`` ranks (creator side: commands out, reports
-    in). Lifecycle: construct -> hand ``specs[r]`` to rank r (``ChannelPair.attach``) ->
-    ``round_trip`` per step -> ``close``. One round trip at a time (a lock); ``log`` and ``trace``
-    keep the recent steps' timings."""
+    """The coordinator's rings to its ``n`` ranks: ``commands`` (it writes, rank r is reader r)
+    and ``reports[r]`` (rank r writes, it reads). Lifecycle: construct -> hand ``specs[r]`` to
+    rank r (``ChannelPair.attach``) -> ``round_trip`` per step -> ``close``. One round trip at
+    a time (a lock); ``log`` and ``trace`` keep the recent steps' timings."""
 
     def __init__(self, n: int, policy: WaitPolicy | None = None) -> None:
-        self.pairs: list[ChannelPair] = []
+        self.reports: list[ShmRing] = []
+        self.commands = ShmRing.create("writer", readers=n, policy=policy)
         try:
             for _ in range(n):
-                self.pairs.append(ChannelPair.create(policy=policy))
+                self.reports.append(ShmRing.create("reader", policy=policy))
         except BaseException:
             self.close()
             raise
         self._lock = threading.Lock()
         self.log: collections.deque = collections.deque(maxlen=100_000)  # (step, round trip s)
-        # (step, start, (sent per rank), (report found per rank), (loaded per rank)):
+        # (step, start, command sent, (report found per rank), (loaded per rank)):
         # perf_counter() stamps, comparable with the ranks' traces (one clock per host)
         self.trace: collections.deque = collections.deque(maxlen=100_000)
 
     @property
     def specs(self) -> list[tuple[ChannelSpec, ChannelSpec]]:
-        return [pair.spec for pair in self.pairs]
+        """Rank r's ``ChannelPair.attach`` spec: (its reader of the broadcast, its report ring)."""
+        return [(self.commands.spec_for(r), ring.spec) for r, ring in enumerate(self.reports)]
 
-    def round_trip(self, cmds: Sequence[StepCommand], timeout: float) -> list[StepReport]:
-        """Send ``cmds[r]`` to rank r, then take one report per rank, in whatever order they
-        arrive (``_gather``). ``ChannelTimeoutError`` / ``ChannelPeerLostError`` when a rank does
-        not answer within ``timeout`` s or died."""
+    def round_trip(self, cmd: StepCommand, timeout: float) -> list[StepReport]:
+        """Broadcast ``cmd`` to every rank, then take one report per rank, in whatever order
+        they arrive (``_gather``). ``ChannelTimeoutError`` / ``ChannelPeerLostError`` when a rank
+        does not answer within ``timeout`` s or died."""
         with self._lock:
             t0 = time.perf_counter()
-            sent = []
-            for pair, cmd in zip(self.pairs, cmds):
-                pair.send(cmd, timeout)
-                sent.append(time.perf_counter())
+            self.commands.send(cmd, timeout)
+            sent = time.perf_counter()
             reports, found, loaded = self._gather(timeout)
             dt = time.perf_counter() - t0
-        self.log.append((cmds[0].step, dt))
-        self.trace.append((cmds[0].step, t0, tuple(sent), tuple(found), tuple(loaded)))
+        self.log.append((cmd.step, dt))
+        self.trace.append((cmd.step, t0, sent, tuple(found), tuple(loaded)))
         return reports
+
+    def unlink(self) -> None:
+        """Remove the rings' names once every rank attached (their mappings stay)."""
+        self.commands.unlink()
+        for ring in self.reports:
+            ring.unlink()
 
     def probe(self, n: int, timeout: float) -> list[float]:
         """Round-trip seconds of ``n`` empty StepCommands through every rank's channel and step
@@ -65,13 +70,13 @@ class RankChannels:
         out = []
         with self._lock:
             for i in range(n):
-                cmds = [StepCommand(-1 - i, Rank(r), ()) for r in range(len(self.pairs))]
+                cmd = StepCommand(-1 - i)
                 t0 = time.perf_counter()
-                for pair, cmd in zip(self.pairs, cmds):
-                    pair.send(cmd, timeout)
+                self.commands.send(cmd, timeout)
                 reports, _, _ = self._gather(timeout)
                 out.append(time.perf_counter() - t0)
-                if [(r.step, r.rank) for r in reports] != [(c.step, c.rank) for c in cmds]:
+                if [(r.step, r.rank) for r in reports] != [(cmd.step, r) for r in
+                                                           range(len(self.reports))]:
                     raise StateError(f"probe reports out of order: {reports}")
         return out
 
@@ -80,34 +85,34 @@ class RankChannels:
         noticed at once (``ChannelPeerLostError``) even while a live one is blocked in a
         collective waiting for it; with each report's ``perf_counter`` stamps (found, loaded)
         for the step trace. ``ChannelTimeoutError`` after ``timeout`` s."""
-        pairs = self.pairs
-        reports: list = [None] * len(pairs)
-        found = [0.0] * len(pairs)
-        loaded = [0.0] * len(pairs)
+        rings = self.reports
+        reports: list = [None] * len(rings)
+        found = [0.0] * len(rings)
+        loaded = [0.0] * len(rings)
         deadline = time.monotonic() + timeout
         turn = -1
         while True:
             missing = []
-            for i, pair in enumerate(pairs):  # take every report already there
+            for i, ring in enumerate(rings):  # take every report already there
                 if reports[i] is None:
-                    if pair.inbox.pending():
-                        reports[i] = pair.recv(0)
-                        found[i], loaded[i] = pair.ready_t, time.perf_counter()
+                    if ring.pending():
+                        reports[i] = ring.recv(0)
+                        found[i], loaded[i] = ring.ready_t, time.perf_counter()
                     else:
                         missing.append(i)
             if not missing:
                 return reports, found, loaded
             if time.monotonic() >= deadline:
                 raise ChannelTimeoutError(f"no step report from ranks {missing} after {timeout} s")
-            # wait on one missing channel (in turn: each peer's liveness gets checked), waking
-            # for any other: a rank that reports first is loaded while the slower one still
-            # works, off the step's critical path
+            # wait on one missing ring (in turn: each peer's liveness gets checked), waking for
+            # any other: a rank that reports first is loaded while the slower one still works,
+            # off the step's critical path
             turn += 1
             k = missing[turn % len(missing)]
-            pairs[k].inbox.wait_pending(
-                REPORT_POLL_S, tuple(pairs[i].inbox for i in missing if i != k))
+            rings[k].wait_pending(REPORT_POLL_S, tuple(rings[i] for i in missing if i != k))
 
     def close(self) -> None:
-        for pair in self.pairs:
-            pair.close()
-        self.pairs = []
+        self.commands.close()
+        for ring in self.reports:
+            ring.close()
+        self.reports = []

@@ -1,5 +1,5 @@
-"""Both directions between the coordinator and one TP rank (adapter ring, standard library): two
-:class:`~hisparse_ray.channel.ring.ShmChannel` rings, commands out and reports in.
+"""A rank's end of the step channel, or any two-way link (adapter ring, standard library): two
+:class:`~hisparse_ray.channel.ring.ShmRing`\\ s, messages out and messages in.
 """
 
 from __future__ import annotations
@@ -8,28 +8,30 @@ from typing import Any
 
 from hisparse_ray.channel.codec import Codec
 from hisparse_ray.channel.ring import (
-    DEFAULT_CAPACITY, DEFAULT_PREFIX, ChannelSpec, ShmChannel, WaitPolicy,
+    DEFAULT_CAPACITY, DEFAULT_PREFIX, ChannelSpec, ShmRing, WaitPolicy,
 )
 
 
 class ChannelPair:
-    """Both directions between the coordinator and one rank: ``send`` goes out, ``recv`` comes in.
+    """Both directions of one link: ``send`` goes out on ``outbox`` (this end writes it),
+    ``recv`` comes in on ``inbox`` (this end reads it, possibly as one reader of a broadcast).
 
-    The coordinator ``create``s (it sends commands, receives reports) and hands ``spec`` to the
-    rank, which ``attach``es (it receives commands, sends reports).
+    ``create`` makes both rings (one reader each) and hands ``spec`` to the peer, which
+    ``attach``es with the roles swapped. A TP rank attaches to its coordinator's
+    :class:`~hisparse_ray.channel.fanout.RankChannels` the same way: its inbox is then its reader
+    of the command broadcast.
     """
 
-    def __init__(self, outbox: ShmChannel, inbox: ShmChannel) -> None:
-        assert outbox.role == "sender" and inbox.role == "receiver"
+    def __init__(self, outbox: ShmRing, inbox: ShmRing) -> None:
+        assert outbox.role == "writer" and inbox.role == "reader"
         self.outbox, self.inbox = outbox, inbox
 
     @classmethod
     def create(cls, capacity: int = DEFAULT_CAPACITY, *, prefix: str = DEFAULT_PREFIX,
                policy: WaitPolicy | None = None, codec: Codec | None = None) -> ChannelPair:
-        out = ShmChannel.create("sender", capacity, prefix=prefix, policy=policy, codec=codec)
+        out = ShmRing.create("writer", capacity, prefix=prefix, policy=policy, codec=codec)
         try:
-            inb = ShmChannel.create("receiver", capacity, prefix=prefix, policy=policy,
-                                    codec=codec)
+            inb = ShmRing.create("reader", capacity, prefix=prefix, policy=policy, codec=codec)
         except BaseException:
             out.close()
             raise
@@ -44,9 +46,9 @@ class ChannelPair:
     def attach(cls, spec: tuple[ChannelSpec, ChannelSpec], *,
                policy: WaitPolicy | None = None, codec: Codec | None = None) -> ChannelPair:
         their_out, their_in = spec
-        inb = ShmChannel.attach(their_out, policy=policy, codec=codec)
+        inb = ShmRing.attach(their_out, policy=policy, codec=codec)
         try:
-            out = ShmChannel.attach(their_in, policy=policy, codec=codec)
+            out = ShmRing.attach(their_in, policy=policy, codec=codec)
         except BaseException:
             inb.close()
             raise

@@ -1,7 +1,7 @@
 """The coordinator state machine: admission, decode steps, reports, finishing (pure ring).
 
 Synchronous and deterministic; it never awaits and never calls another actor. Commands leave
-through ``take_commands()`` (and ``admit``/``poll_waiting`` landing plans), feedback enters through
+through ``take_command()`` (and ``admit``/``poll_waiting`` landing plans), feedback enters through
 ``apply_*``. Every public method validates its input before changing anything: bad input raises a
 typed error from :mod:`hisparse_ray.errors` and leaves the state unchanged.
 
@@ -13,18 +13,23 @@ step feeds ``prompt[P-1]`` with ``seq_len = P`` and samples the first new token.
 ``seq_len = n`` writes position ``n-1``; a request therefore writes ``P + max_new_tokens - 1``
 positions over its life.
 
-Worker contract for one StepCommand (identical on every rank but ``rank``): apply
-``table_diffs`` (the first command that names a request carries every page of it), drop state of
-``released`` requests, enqueue ``transfers`` on the stream in order, run the forward of ``batch``
-(reset a request's hot slots whenever its ``hot_blocks`` change, e.g. after a spill conversion),
-then the ``backups`` on the side stream; report each transfer id enqueued and completed, and
-(rank 0 only) one sampled token per batch row, in a StepReport naming any emitted step. Device
-blocks are released on *enqueued*, which is safe for work ordered after the worker's stream; a
-landing path that writes device blocks outside that stream must order itself after it.
+Worker contract for one StepCommand (one command per step, broadcast to every rank): forget
+``released`` handles (with their request's state), take the ``handles`` it defines (a request's
+integer handle is defined in the first command that names it and stays until the command that
+releases it; the first command that names a request also carries every page of it in
+``table_diffs``), make host reads wait for host-pool generation ``host_seq`` (peers), apply
+``table_diffs``, enqueue ``transfers`` on the stream in order, run the forward of ``batch`` (a
+row's ``hot_blocks``, sent only when they changed, bind a new hot buffer, e.g. after a spill
+conversion), then the ``backups`` on the side stream; report each transfer id enqueued and
+completed, and (rank 0 only) one sampled token per batch row and the host pool's published
+generation, in a StepReport naming any emitted step. Device blocks are released on *enqueued*,
+which is safe for work ordered after the worker's stream; a landing path that writes device
+blocks outside that stream must order itself after it.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -39,9 +44,9 @@ from hisparse_ray.errors import (
     UnknownRankError, UnknownRequestError, UnknownTransferError,
 )
 from hisparse_ray.types import (
-    Admission, Backup, BatchRow, CoordinatorCounters, LandingTarget,
-    PageTransfer, Rank, RequestId, RequestState, RequestView, StepCommand, StepReport,
-    TableDiff, TransferKind, TransferId,
+    Admission, Backup, BatchRow, CoordinatorCounters, LandingTarget, PageTransfer, RequestHandle,
+    RequestId, RequestState, RequestView, StepCommand, StepReport, TableDiff, TransferKind,
+    TransferId,
 )
 
 FREED_MEMORY = 1 << 16  # how many forgotten ids still answer DoubleFreeError
@@ -73,8 +78,11 @@ class Coordinator:
         self._requests: dict[RequestId, Request] = {}
         self._waiting: list[RequestId] = []
         self._freed: OrderedDict[RequestId, None] = OrderedDict()  # recent ids, for double free
-        self._released: list[RequestId] = []
+        self._released: list[int] = []  # handles of released requests, for the next command
         self._step = 0
+        self._free_handles: list[int] = []  # released handles, reused smallest first
+        self._next_handle = 0
+        self._host_seq = 0  # rank 0's latest reported host-pool generation
 
     # -- admission ---------------------------------------------------------------------------------
     def admit(self, request_id: RequestId, prompt_tokens: Sequence[int], max_new_tokens: int,
@@ -160,16 +168,19 @@ class Coordinator:
         self._finish(req, "landing_failed")
 
     # -- decode steps ------------------------------------------------------------------------------
-    def take_commands(self) -> tuple[StepCommand, ...]:
-        """Build the next step: one command per TP rank (identical except ``rank``), or () when
-        there is nothing to send. Eligible requests: RUNNING, stable tier, no page transfer in
-        flight, previous token sampled; admission order, at most ``max_batch``."""
+    def take_command(self) -> StepCommand | None:
+        """Build the next step: one command for every TP rank, or None when there is nothing to
+        send. Eligible requests: RUNNING, stable tier, no page transfer in flight, previous token
+        sampled; admission order, at most ``max_batch``. Requests are named by integer handles
+        (defined in the command that first names them, freed after the one that releases them);
+        hot buffers travel only when they changed."""
         cfg, res = self.config, self.res
         step = self._step + 1
         for req in self._requests.values():
             if req.conversion is Conversion.HOT:
                 done = res.finish_hot(req)
                 assert done, f"{req.rid}: hot buffer outside its device reservation"
+        defined: list[RequestHandle] = []
         batch: list[BatchRow] = []
         backups: list[Backup] = []
         room_dev: int | None = None  # unreserved device blocks, computed when first needed
@@ -199,11 +210,16 @@ class Coordinator:
                     hb = self.host.allocate(1)
                     assert hb is not None, f"{req.rid}: host page outside its reservation"
                     req.pages.append(Page(host=hb[0]))
+            h = self._handle(req, defined)
             if req.tier is LandingTarget.HOST:
                 p = res.emit_backup(req, i)
-                backups.append(Backup(p.tid, req.rid, pos, p.host_block, pos % cfg.page_size))
-            batch.append(BatchRow(req.rid, pos + 1, req.tokens[pos],
-                                  tuple(req.hot) if req.tier is LandingTarget.HOST else ()))
+                backups.append(Backup(p.tid, h, pos, p.host_block, pos % cfg.page_size))
+            hot = tuple(req.hot) if req.tier is LandingTarget.HOST else ()
+            if hot == req.sent_hot:
+                batch.append(BatchRow(h, pos + 1, req.tokens[pos]))
+            else:
+                batch.append(BatchRow(h, pos + 1, req.tokens[pos], hot))
+                req.sent_hot = hot
             req.written += 1
             req.awaiting_step = step
         transfers = tuple(PageTransfer(p.tid, _KIND[p.kind], p.device_block, p.host_block)
@@ -216,16 +232,30 @@ class Coordinator:
             for i, page in enumerate(req.pages):
                 e = page.entry()
                 if req.sent.get(i) != e:
-                    diffs.append(TableDiff(req.rid, i, e[0], e[1]))
+                    diffs.append(TableDiff(self._handle(req, defined), i, e[0], e[1]))
                     req.sent[i] = e
         released = tuple(self._released)
         self._released.clear()
         if not (batch or transfers or diffs or released):
-            return ()
+            return None
+        for h in released:  # reused from the next command on
+            heapq.heappush(self._free_handles, h)
         self._step = step
         res.stats["steps"] += 1
-        return tuple(StepCommand(step, Rank(r), tuple(batch), tuple(diffs), transfers,
-                                 tuple(backups), released) for r in range(cfg.tp_size))
+        return StepCommand(step, tuple(batch), tuple(diffs), transfers, tuple(backups),
+                           released, tuple(defined), self._host_seq)
+
+    def _handle(self, req: Request, defined: list[RequestHandle]) -> int:
+        """``req``'s handle; a new one (smallest free) is defined in this command."""
+        if req.handle is None:
+            if self._free_handles:
+                req.handle = heapq.heappop(self._free_handles)
+            else:
+                req.handle = self._next_handle
+                self._next_handle += 1
+            req.sent_hot = None
+            defined.append(RequestHandle(req.handle, req.rid))
+        return req.handle
 
     def _eligible(self, req: Request) -> bool:
         return (req.state is RequestState.RUNNING and req.conversion is None
@@ -278,6 +308,8 @@ class Coordinator:
         Reports may arrive in any order and a rank may report one step several times."""
         self._check_report(report)
         rank = report.rank
+        if rank == 0:
+            self._host_seq = max(self._host_seq, report.published)
         touched: dict[TransferId, None] = {}
         for tid in (*report.enqueued, *report.completed):
             self.book.pending[tid].enqueued.add(rank)
@@ -327,6 +359,10 @@ class Coordinator:
                     raise StateError(f"rank {rank} already acknowledged transfer {tid} {name}")
         if report.sampled and rank != 0:
             raise StateError(f"sampled tokens come from rank 0 only, got them from rank {rank}")
+        pub = report.published
+        if isinstance(pub, bool) or not isinstance(pub, int) or pub < 0 or (pub and rank != 0):
+            raise StateError(f"rank {rank} reports host-pool generation {pub!r}: only rank 0 "
+                             f"writes the host pool (an int >= 0)")
         seen: set = set()
         for rid, tok in report.sampled:
             req = self._requests.get(rid)
@@ -376,8 +412,9 @@ class Coordinator:
             self.res.release_all(req)
             req.state = RequestState.RELEASED
             self.res.stats["finished"] += 1
-            if req.sent:
-                self._released.append(req.rid)
+            if req.handle is not None:  # the workers know it: tell them to forget it
+                self._released.append(req.handle)
+                req.handle = None
         if (req.state is RequestState.RELEASED and req.forget_when_released
                 and self._requests.get(req.rid) is req):
             del self._requests[req.rid]

@@ -21,14 +21,21 @@ def check_coordinator(c: "Coordinator") -> None:
     """free + used == total in both pools; refs/pins >= 0 and equal to their holders; no block both
     free and leased; every prefix entry points at a live published block; no lease released before
     its ack (a pending transfer's blocks are still leased/owned and pinned); stable tiers have
-    their shape; waiting/released requests hold nothing; the pools cover every reservation
-    (available host blocks >= host reservations, free device blocks >= device reservations),
-    so no request can run out of blocks mid-decode."""
+    their shape; waiting/released requests hold nothing; a request handle names at most one
+    request and is never both free and in use; the pools cover every reservation (available host
+    blocks >= host reservations, free device blocks >= device reservations), so no request can
+    run out of blocks mid-decode."""
     host, device, book = c.host, c.device, c.book
     c.res.check_invariants()
     cfg = c.config
     ps = cfg.page_size
 
+    live = [r.handle for r in c._requests.values() if r.handle is not None]
+    idle = set(c._free_handles) | set(c._released)
+    assert len(set(live)) == len(live), "a handle names two requests"
+    assert not idle & set(live), "a released or free handle still names a request"
+    assert len(idle) == len(c._free_handles) + len(c._released), "a handle is freed twice"
+    assert all(0 <= h < c._next_handle for h in (*live, *idle)), "a handle out of range"
     waiting = set(c._waiting)
     assert len(waiting) == len(c._waiting), "a request is queued twice"
     dev_owner: dict[int, str] = {}

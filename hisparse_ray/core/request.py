@@ -63,6 +63,8 @@ class Request:
     in_flight: set[TransferId] = field(default_factory=set)
     conversion: Conversion | None = None
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker's view of the table
+    handle: int | None = None  # its integer name in step commands, from its first command on
+    sent_hot: tuple[int, ...] | None = None  # the hot buffer the workers last received
     keys: list[PrefixKey] = field(default_factory=list)  # keys of full pages, computed lazily
     finish_reason: str | None = None
     forget_when_released: bool = False

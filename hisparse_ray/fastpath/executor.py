@@ -10,7 +10,7 @@ logits observer is set.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,6 @@ from hisparse_ray.fastpath.index_keys import PagedIndexKeys
 from hisparse_ray.fastpath.inputs import RowInput, RowTables
 from hisparse_ray.fastpath.step import FastDecodeStep, index_pages_for
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
-from hisparse_ray.types import BatchRow
 
 
 def index_key_kind(value: str, model_dtype: torch.dtype) -> str:
@@ -93,7 +92,9 @@ class FastExecutor:
             raise StateError(f"request {rid!r} has neither a resident page nor a hot buffer for {position}")
         return row
 
-    def row_input(self, row: BatchRow) -> RowInput:
+    def row_input(self, row: Any) -> RowInput:
+        """``row`` names ``request_id``, ``seq_len`` and ``input_token`` (the rank executor's
+        ``Row``: a command's ``BatchRow`` with its handle resolved)."""
         rid, n = row.request_id, row.seq_len
         if rid not in self.keys.pages:
             raise StateError(f"request {rid!r} has no index keys installed on the fast path")
@@ -107,8 +108,9 @@ class FastExecutor:
         return RowInput(row.input_token, n, self.rt.requests[rid].state_row, write, iwrite, t)
 
     # -- one step -----------------------------------------------------------------------------------
-    def launch(self, batch: Sequence[BatchRow]) -> int:
-        """Fill the inputs and enqueue one step (no sync); returns B for :meth:`collect`."""
+    def launch(self, batch: Sequence[Any]) -> int:
+        """Fill the inputs and enqueue one step (no sync); returns B for :meth:`collect`. ``batch``:
+        rows as :meth:`row_input` takes them."""
         B = len(batch)
         bucket = self.cfg.bucket(B)
         rows = [self.row_input(r) for r in batch]
@@ -124,6 +126,6 @@ class FastExecutor:
         out = torch.stack([self.step.tokens[:B], self.step.hits[:B], self.step.misses[:B]]).tolist()
         return out[0], out[1], out[2], self.step.logits[:B]
 
-    def forward(self, batch: Sequence[BatchRow]) -> tuple[list[int], list[int], list[int], Tensor]:
+    def forward(self, batch: Sequence[Any]) -> tuple[list[int], list[int], list[int], Tensor]:
         """:meth:`launch` then :meth:`collect`."""
         return self.collect(self.launch(batch))

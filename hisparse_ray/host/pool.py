@@ -28,7 +28,7 @@ from hisparse_ray.host.segment import (  # noqa: F401  (re-exported: the pool's 
     mapped_segments, mem_available_bytes, physical_pool_bytes, pool_bytes, prefault, proc_stat,
     read_header, register_chunks, unlink_quiet,
 )
-from hisparse_ray.host.sync import IpcEventRing, Publication, SharedCounter, spin_until
+from hisparse_ray.host.sync import IpcEventRing, SharedCounter, spin_until
 
 
 def _cudart() -> Any:
@@ -57,12 +57,12 @@ class HostPool:
     :meth:`layer` keep the mapping alive after close (plain, unpinned memory then); CUDA aliases
     from :meth:`device_layer` / :meth:`device_stacked` are valid only until close.
 
-    Write/publish protocol: the owner writes pages (``begin_write()`` first when peers may read
-    concurrently on the CPU), then ``publish()``; a peer calls ``wait_published(seq)`` before it
-    reads pages of that batch. Header counter: ``2 * seq`` when idle, odd while a CPU write is in
-    progress (seqlock: ``read_begin()`` / ``read_valid()`` around a CPU copy detect a torn read).
-    On CUDA pools publish also records an IPC event on the writer's stream and peers' streams wait
-    on it.
+    Write/publish protocol (rank 0 is the only writer): the owner writes a batch of pages, then
+    ``publish()``es it as the next generation g (the header counter); on CUDA pools publish first
+    records the IPC event of slot ``g % event_ring`` on the stream its copies ran on. A peer
+    calls ``wait_published(g)`` before it reads anything of that batch: the counter says the
+    event was recorded, and its stream waits on the event. The step command carries g
+    (``StepCommand.host_seq``); see docs/architecture.md "How the ranks are ordered".
     """
 
     def __init__(self, *, name: str, path: str, mm: mmap.mmap, header: tuple, owner: bool,
@@ -260,63 +260,36 @@ class HostPool:
                                 HEADER_BYTES)
 
     # ---------------------------------------------------------------- publish protocol
-    def begin_write(self) -> None:
-        """Owner: mark a CPU write batch in progress (counter odd) so concurrent seqlock readers
-        retry. Not needed for GPU writes, which peers order through the IPC event."""
-        self._check_owner("begin_write")
-        c = self._counter.load()
-        if c & 1:
-            raise HostPoolError(f"host pool {self.name}: begin_write while a write is in progress")
-        self._counter.store(c + 1)
-
-    def publish(self, stream: Any = None) -> Publication:
-        """Owner, after a batch of writes: record the IPC event (CUDA pools, on ``stream`` or the
-        current stream), then bump the counter (release). Returns the new generation's message."""
+    def publish(self, stream: Any = None) -> int:
+        """Owner, after a batch of writes (CPU stores, or copies enqueued on ``stream``): record
+        the IPC event of the next generation (CUDA pools: on ``stream``, default the current one),
+        then bump the generation counter (release). Returns the new generation (1, 2, ...)."""
         self._check_owner("publish")
-        c = self._counter.load()
-        seq = c // 2 + 1
-        slot, handle = -1, b""
+        seq = self._counter.load() + 1
         if self._ring is not None:
-            slot = seq % self._ring.size
-            self._ring.record(slot, stream)
-            handle = self._ring.handle(slot)
-        self._counter.store(2 * seq)
-        return Publication(seq=seq, event_slot=slot, event_handle=handle)
+            self._ring.record(seq % self._ring.size, stream)
+        self._counter.store(seq)
+        return seq
 
     def published(self) -> int:
         """The latest published generation (0 before the first publish)."""
         self._check_open()
-        return self._counter.load() // 2
+        return self._counter.load()
 
-    def wait_published(self, seq: int, *, stream: Any = None, publication: Publication | None = None,
+    def wait_published(self, seq: int, *, stream: Any = None,
                        timeout_s: float | None = None) -> None:
-        """Peer: block until generation ``seq`` is published; on CUDA pools also make ``stream``
-        (default: current) wait on its IPC event, so GPU reads that follow see the batch."""
+        """Peer: block until generation ``seq`` is published (``HostPoolError`` after
+        ``timeout_s``); on CUDA pools also make ``stream`` (default: current) wait on its IPC
+        event, so the GPU work enqueued on it afterwards sees every write of generations
+        ``<= seq``. The event is slot ``seq % ring size``: a slot re-recorded for a later
+        generation makes the stream wait longer, never shorter."""
         self._check_open()
         counter = self._counter
-        spin_until(lambda: counter.load() >= 2 * seq, timeout_s, f"{self.name} generation {seq}")
+        if counter.load() < seq:
+            spin_until(lambda: counter.load() >= seq, timeout_s, f"{self.name} generation {seq}")
         if self._ring is not None and seq > 0:
             slot = seq % self._ring.size
-            handle = publication.event_handle if publication is not None and publication.seq == seq \
-                else self._event_handle(slot)
-            self._ring.wait(slot, handle, stream)
-
-    def read_begin(self, timeout_s: float | None = None) -> int:
-        """Seqlock reader: wait until no CPU write is in progress; returns the token to validate."""
-        self._check_open()
-        counter, token = self._counter, [0]
-
-        def idle() -> bool:
-            token[0] = counter.load()
-            return not token[0] & 1
-
-        spin_until(idle, timeout_s, f"{self.name} write to finish")
-        return token[0]
-
-    def read_valid(self, token: int) -> bool:
-        """Seqlock reader, after copying: True iff no write overlapped the copy since read_begin."""
-        SharedCounter.fence()
-        return self._counter.load() == token
+            self._ring.wait(slot, self._event_handle(slot), stream)
 
     def _event_handle(self, slot: int) -> bytes:
         off = EVENT_OFFSET + slot * EVENT_SLOT

@@ -19,7 +19,7 @@ from hisparse_ray.errors import HostPoolError
 DEFAULT_PREFIX = "hisparse-pool"
 SHM_DIR = "/dev/shm"
 MAGIC = b"HSPRPOOL"
-VERSION = 1
+VERSION = 2  # 2: the counter at SEQ_OFFSET is the published generation (1 had a seqlock)
 HEADER_BYTES = 4096
 ALIGN = 4096
 MAX_REGISTER_BYTES = 64 * GIB  # one cudaHostRegister call; a single 512 GiB call fails
@@ -30,7 +30,7 @@ STALE_GRACE_S = 60.0  # a segment without a readable header is stale only after 
 # layer_stride, total_bytes, owner_pid, owner_start, kv_dtype, state, event_ring
 HEADER_STRUCT = struct.Struct("<8sIIIIIIQQQQQ8sII")
 STATE_OFFSET = 80  # u32 state inside HEADER_STRUCT
-SEQ_OFFSET = 128  # u64 seqlock counter, on its own cache line
+SEQ_OFFSET = 128  # u64 published generation, on its own cache line
 EVENT_OFFSET = 256  # event ring: slots of 128 bytes, [u32 length][handle bytes]
 EVENT_SLOT = 128
 CREATING, READY = 0, 1

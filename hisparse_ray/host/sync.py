@@ -1,5 +1,5 @@
-"""Cross-process ordering for the shared host pool (adapter ring): the header's seqlock counter and
-the ring of CUDA IPC events that rank 0 records after each batch of writes.
+"""Cross-process ordering for the shared host pool (adapter ring): the header's generation counter
+and the ring of CUDA IPC events that rank 0 records after each batch of writes.
 
 The counter is a u64 in the shared header, stored with release and loaded with acquire semantics
 through libatomic (``__atomic_store_8`` / ``__atomic_load_8``) so that the ordering also holds on
@@ -12,16 +12,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from hisparse_ray.errors import HostPoolError
 
-_ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5
+_ACQUIRE, _RELEASE = 2, 3
 
 
-def _load_libatomic() -> tuple[Any, Any, Any] | None:
-    """(load_8, store_8, thread_fence or None) from libatomic, None if it cannot be loaded."""
+def _load_libatomic() -> tuple[Any, Any] | None:
+    """(load_8, store_8) from libatomic, None if it cannot be loaded."""
     for name in (ctypes.util.find_library("atomic"), "libatomic.so.1"):
         if not name:
             continue
@@ -32,15 +31,12 @@ def _load_libatomic() -> tuple[Any, Any, Any] | None:
             continue
         load.restype, load.argtypes = ctypes.c_uint64, (ctypes.c_void_p, ctypes.c_int)
         store.restype, store.argtypes = None, (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int)
-        fence = getattr(lib, "atomic_thread_fence", None)
-        if fence is not None:
-            fence.restype, fence.argtypes = None, (ctypes.c_int,)
-        return load, store, fence
+        return load, store
     return None
 
 
 _ATOMICS = _load_libatomic()
-_LOAD, _STORE, _FENCE = _ATOMICS if _ATOMICS is not None else (None, None, None)
+_LOAD, _STORE = _ATOMICS if _ATOMICS is not None else (None, None)
 
 
 class SharedCounter:
@@ -67,12 +63,6 @@ class SharedCounter:
         else:
             self._plain.value = value
 
-    @staticmethod
-    def fence() -> None:
-        """Full fence: orders this thread's earlier loads before a following counter load."""
-        if _FENCE is not None:
-            _FENCE(_SEQ_CST)
-
 
 def spin_until(predicate, timeout_s: float | None, what: str) -> None:
     """Poll ``predicate`` (busy first, then with short sleeps); HostPoolError after ``timeout_s``."""
@@ -84,22 +74,6 @@ def spin_until(predicate, timeout_s: float | None, what: str) -> None:
             time.sleep(min(1e-3, 1e-6 * spins))
         if deadline is not None and time.monotonic() > deadline:
             raise HostPoolError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-@dataclass(frozen=True, slots=True)
-class Publication:
-    """What rank 0 hands its peers after a batch of writes (fits a control message).
-
-    seq: the published generation (1, 2, ...); a peer calls ``wait_published(seq)`` before it reads
-        any page written in that batch.
-    event_slot: index in the pool's IPC event ring recorded for this batch (-1 on CPU pools).
-    event_handle: that event's CUDA IPC handle (``torch.cuda.Event.ipc_handle()``), b"" on CPU.
-        The same handles are also stored in the pool header, so the message is an optimisation.
-    """
-
-    seq: int
-    event_slot: int = -1
-    event_handle: bytes = b""
 
 
 class IpcEventRing:

@@ -5,19 +5,27 @@ state), the attention-facing :class:`~hisparse_ray.rank.runtime.HiSparseCacheHan
 caches, and schedules page copies (:mod:`hisparse_ray.host.copies`) against the shared host pool. The
 in-process :class:`~hisparse_ray.engine.Engine` and the ``DecodeWorker`` actor both drive it.
 
-Per command, in order: drop released requests; apply block-table diffs; enqueue page transfers
-(SPILL device -> host is written by rank 0 only, the one host-pool writer; RESTORE host -> device on
-every rank, MLA KV is replicated); bind hot buffers (a new buffer of a short sequence, n <= H, is
-filled so that slot p holds position p); run the forward (the compute stream first waits on every
-copy still in flight, so a reused block or a backed-up slot is never overwritten early, and a host
-row is never read before it was written); sample (rank 0); enqueue the eager backups of the newest
-rows (rank 0). Acks: every transfer id is reported *enqueued* in the step that issued it and
-*completed* once its copy event has fired; on CPU both in the same report.
+Per command (one per step, the same for every rank), in order: forget released handles and
+their requests; take the handles it defines; a peer makes its stream wait for host-pool
+generation ``host_seq`` (rank 0's IPC event: every host row rank 0 wrote in the steps before is
+then visible to the peer's copies and resolver reads); apply block-table diffs; enqueue page
+transfers (SPILL device -> host is written by rank 0 only, the one host-pool writer; RESTORE host
+-> device on every rank, MLA KV is replicated); bind hot buffers (a new buffer of a short
+sequence, n <= H, is filled so that slot p holds position p); run the forward (the compute stream
+first waits on every copy still in flight, so a reused block or a backed-up slot is never
+overwritten early, and a host row is never read before it was written); sample (rank 0); enqueue
+the eager backups of the newest rows (rank 0; on the fast path while its launched step runs,
+before its outputs are read back), then publish the step's host writes (rank 0: the
+pool's next generation, its IPC event recorded on the copy stream after them; reported in
+``StepReport.published``). On CUDA every copy runs on the rank's copy stream, which first waits
+for the compute stream's work so far; nothing blocks the host. Acks: every transfer id is
+reported *enqueued* in the step that issued it and *completed* once its copy event has fired; on
+CPU both in the same report.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,7 +45,18 @@ from hisparse_ray.types import (
     NO_BLOCK, Admission, RequestId, SamplingParams, StepCommand, StepReport, TransferKind,
 )
 
-__all__ = ["HiSparseWorker", "SamplingParams"]  # SamplingParams lives in types (the wire)
+
+
+class Row(NamedTuple):
+    """A batch row with its request named (``BatchRow`` carries the request's handle)."""
+
+    request_id: RequestId
+    seq_len: int
+    input_token: int
+    hot_blocks: tuple[int, ...] | None
+
+
+__all__ = ["HiSparseWorker", "Row", "SamplingParams"]  # SamplingParams lives in types (the wire)
 
 
 class HiSparseWorker:
@@ -46,10 +65,9 @@ class HiSparseWorker:
     batch_invariant: run every batch row as its own forward so that a request's logits do not
     depend on its batch mates (bit-exact comparisons across modes and schedules); False batches the
     forward (throughput).
-    sync_host_writes: finish every copy of the step before ``execute`` returns (and report it
-    completed). Rank 0 of a TP group on CUDA needs this: its peers read the host rows it wrote
-    (backups, spills) in their next forward, ordered only by the coordinator waiting for every
-    rank's report; a single rank orders its own reads on the GPU (``CopyHandle.order_before``).
+    host_wait_s: how long a peer waits for rank 0 to publish the generation a command names
+    (published before rank 0 reported the step that wrote it, so a wait means a broken protocol:
+    ``HostPoolError``).
     kv_codec: the KV-cache dtype's row codec (:mod:`hisparse_ray.kernels.kvfp8`; default: rows in
     the model's dtype); ``layout`` must use its row bytes.
     fast: run batches through the fast decode step (:mod:`hisparse_ray.fastpath`): batched, paged
@@ -57,7 +75,11 @@ class HiSparseWorker:
     hot_counts_every: on the reference path rank 0 accumulates each request's hot-buffer hits and
     misses on the device and reads them back (one sync) every this many steps and before it drops
     released requests, reporting them in ``StepReport.hits_by_request``; peers never read them
-    (1: every step; the CPU's "device" is the host, so there a read costs nothing)."""
+    (1: every step; the CPU's "device" is the host, so there a read costs nothing).
+
+    ``handles`` maps the commands' request handles to request ids (defined and released by the
+    commands); ``on_logits(rows, logits [B, V])``, when set, sees every forward's rows (``Row``)
+    and logits (tests, tools)."""
 
     def __init__(
         self,
@@ -72,7 +94,7 @@ class HiSparseWorker:
         max_requests: int = 64,
         backend: str = "auto",
         batch_invariant: bool = True,
-        sync_host_writes: bool = False,
+        host_wait_s: float = 60.0,
         kv_codec: Any = None,
         fast: FastPathConfig | None = None,
         hot_counts_every: int = 1,
@@ -97,14 +119,16 @@ class HiSparseWorker:
         self.samplers: dict[RequestId, Sampler] = {}  # rank 0; absent = greedy
         self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
         self.batch_invariant = batch_invariant
-        self.sync_host_writes = sync_host_writes
-        if isinstance(hot_counts_every, bool) or not isinstance(hot_counts_every, int) \
-                or hot_counts_every < 1:
-            raise ConfigError("hot_counts_every", hot_counts_every, "an int >= 1")
-        self.hot_counts_every = hot_counts_every
+        self.host_wait_s = check_number("host_wait_s", host_wait_s, lo=0, lo_open=True,
+                                        why="seconds")
+        self.handles: dict[int, RequestId] = {}
+        self._host_seq = 0  # the host-pool generation this rank's stream last waited for
+        # every page copy of this rank runs here (CUDA), off the compute stream
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.hot_counts_every = check_int("hot_counts_every", hot_counts_every, lo=1)
         self._steps_uncounted = 0  # reference-path forwards since rank 0 last read the hot counts
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
-        self.on_logits: Any = None  # on_logits(cmd, logits [B, V]) after each forward (tests, tools)
+        self.on_logits: Any = None  # on_logits(rows, logits [B, V]) after each forward
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
                          "backups": 0, "fast_steps": 0}
 
@@ -188,9 +212,7 @@ class HiSparseWorker:
                 for l, layer in enumerate(self.runtime.device_kv):
                     layer[base: base + hi - lo] = data[l, lo:hi].to(self.device)
             elif self.writer:
-                if not wrote_host:
-                    self.pool.begin_write()
-                    wrote_host = True
+                wrote_host = True
                 base = page.host_block * ps
                 for l in range(self.layout.num_layers):
                     self.pool.layer(l)[base: base + hi - lo] = data[l, lo:hi].cpu()
@@ -199,29 +221,49 @@ class HiSparseWorker:
 
     # -- one step ------------------------------------------------------------------------------
     def execute(self, cmd: StepCommand) -> StepReport:
-        rt = self.runtime
+        rt, names = self.runtime, self.handles
+        released: list[RequestId] = []
+        for h in cmd.released:
+            rid = names.pop(h, None)
+            if rid is None:
+                raise StateError(f"step {cmd.step} releases handle {h}, which names no request")
+            released.append(rid)
         counts: dict[RequestId, tuple[int, int]] = {}
-        if self.writer and any(rid in rt.requests for rid in cmd.released):
+        if self.writer and any(rid in rt.requests for rid in released):
             self._take_hot_counts(counts)  # a released request's last counts go out first
-        for rid in cmd.released:
+        for rid in released:
             if rid in rt.requests:
                 rt.remove(rid)
             self.index.pop(rid, None)
             self.samplers.pop(rid, None)
             if self.fast is not None:
                 self.fast.release(rid)
+        for d in cmd.handles:
+            if d.handle in names:
+                raise StateError(f"step {cmd.step} defines handle {d.handle} as {d.request_id!r}; "
+                                 f"it still names {names[d.handle]!r}")
+            names[d.handle] = d.request_id
+        if cmd.host_seq > self._host_seq and not self.writer:
+            # rank 0's host writes up to this generation come before any host read of ours
+            # (CUDA: the current stream waits on its IPC event; the copy stream waits on the
+            # current stream before each batch of copies); once per generation
+            self.pool.wait_published(cmd.host_seq, timeout_s=self.host_wait_s)
+            self._host_seq = cmd.host_seq
         for diff in cmd.table_diffs:
-            rt.apply_diff(diff)
+            rt.apply_diff(self._name(cmd, diff.handle), diff.page, diff.host_block,
+                          diff.device_block)
         enqueued: list[int] = []
         # Page copies take the one-launch UVA gather/scatter when the pool is registered (auto):
         # measured on the H200 at 4.6x (spill) / 2.8x (restore) the per-layer memcpy path.
-        self._enqueue_transfers(cmd, enqueued)
+        wrote = self._enqueue_transfers(cmd, enqueued)
         sampled: tuple = ()
-        fast = self.fast is not None and self.trace is None and bool(cmd.batch)
-        if cmd.batch:
+        rows = [Row(self._name(cmd, r.handle), r.seq_len, r.input_token, r.hot_blocks)
+                for r in cmd.batch]
+        fast = self.fast is not None and self.trace is None and bool(rows)
+        if rows:
             for handle in (h for _, h in self._pending):
                 handle.order_before()
-            sampled, fast_counts = self._forward(cmd, enqueued)
+            sampled, fast_counts = self._forward(cmd, rows, enqueued)
             for rid, h, m in fast_counts:  # the fast step reads its own (with its tokens)
                 counts[rid] = (h, m)
             if not fast:
@@ -230,6 +272,9 @@ class HiSparseWorker:
                     self._take_hot_counts(counts)
         if cmd.backups and not fast:  # the fast path enqueued them while its step ran
             self._enqueue_backups(cmd, enqueued)
+        if wrote or (cmd.backups and self.writer):
+            # one generation per step, its event after every copy of the step
+            self.pool.publish(self.copy_stream)
         per_request = [(rid, h, m) for rid, (h, m) in counts.items()]
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
@@ -238,10 +283,17 @@ class HiSparseWorker:
         self.counters["hot_hits"] += hits
         self.counters["hot_misses"] += misses
         return StepReport(
-            cmd.step, cmd.rank, enqueued=tuple(enqueued), completed=self._take_completed(
-                wait=not cmd.batch or self.sync_host_writes),
+            cmd.step, self.rank, enqueued=tuple(enqueued),
+            completed=self._take_completed(wait=not rows),
             sampled=sampled if self.writer else (), hot_hits=hits, hot_misses=misses,
-            hits_by_request=tuple(per_request) if self.writer else ())
+            hits_by_request=tuple(per_request) if self.writer else (),
+            published=self.pool.published() if self.writer else 0)
+
+    def _name(self, cmd: StepCommand, handle: int) -> RequestId:
+        rid = self.handles.get(handle)
+        if rid is None:
+            raise StateError(f"step {cmd.step} names handle {handle}, which no command defined")
+        return rid
 
     def _take_hot_counts(self, into: dict[RequestId, tuple[int, int]]) -> None:
         """(rank 0) Add the hot counts accumulated on the device since the last read to ``into``."""
@@ -251,33 +303,31 @@ class HiSparseWorker:
         self._steps_uncounted = 0
 
     def _enqueue_backups(self, cmd: StepCommand, enqueued: list[int]) -> None:
-        """The newest rows of host-tier requests, device -> host on the side stream (after the
-        forward that wrote them: the side stream waits for the current one)."""
+        """The newest rows of host-tier requests, device -> host on the copy stream (after the
+        forward that wrote them: the copy stream waits for the compute stream's work so far);
+        ``execute`` publishes them with the step's other host writes."""
         ids = tuple(b.transfer_id for b in cmd.backups)
         if self.writer:
             row = self.fast.device_row if self.fast is not None else self.runtime.device_row
-            src = [row(b.request_id, b.position) for b in cmd.backups]
+            src = [row(self._name(cmd, b.handle), b.position) for b in cmd.backups]
             dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
-            self.pool.begin_write()
-            handle = backup_rows(self.runtime.device_kv, self.pool, src, dst)
-            self.pool.publish()
-            self._pending.append((ids, handle))
+            self._pending.append((ids, backup_rows(self.runtime.device_kv, self.pool, src, dst,
+                                                   self.copy_stream)))
         else:
             self._pending.append((ids, CopyHandle()))
         enqueued.extend(ids)
         self.counters["backups"] += len(ids)
 
-    def _enqueue_transfers(self, cmd: StepCommand, enqueued: list[int]) -> None:
+    def _enqueue_transfers(self, cmd: StepCommand, enqueued: list[int]) -> bool:
+        """Enqueue the command's page transfers; True when rank 0 wrote the host pool."""
         spills = [t for t in cmd.transfers if t.kind is TransferKind.SPILL]
         restores = [t for t in cmd.transfers if t.kind is TransferKind.RESTORE]
         if spills:
             ids = tuple(t.transfer_id for t in spills)
             if self.writer:
-                self.pool.begin_write()
                 handle = spill_pages(self.runtime.device_kv, self.pool,
                                      [(t.device_block, t.host_block) for t in spills],
-                                     use_uva=None)
-                self.pool.publish()
+                                     self.copy_stream, use_uva=None)
             else:
                 handle = CopyHandle()
             self._pending.append((ids, handle))
@@ -287,10 +337,11 @@ class HiSparseWorker:
             ids = tuple(t.transfer_id for t in restores)
             handle = restore_pages(self.runtime.device_kv, self.pool,
                                    [(t.device_block, t.host_block) for t in restores],
-                                   use_uva=None)
+                                   self.copy_stream, use_uva=None)
             self._pending.append((ids, handle))
             enqueued.extend(ids)
             self.counters["restores"] += len(ids)
+        return bool(spills) and self.writer
 
     def _take_completed(self, wait: bool) -> tuple[int, ...]:
         done: list[int] = []
@@ -317,22 +368,23 @@ class HiSparseWorker:
             self.index[rid] = cache = grown
         return cache
 
-    def _forward(self, cmd: StepCommand, enqueued: list[int]):
+    def _forward(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
         rt, H = self.runtime, self.cfg.device_buffer_size
-        for row in cmd.batch:
-            if rt.set_hot_blocks(row.request_id, row.hot_blocks) and row.hot_blocks:
+        for row in batch:
+            if (row.hot_blocks is not None and rt.set_hot_blocks(row.request_id, row.hot_blocks)
+                    and row.hot_blocks):
                 n = row.seq_len
                 if 1 < n <= H:  # short path: slot p holds position p; fill it from host
                     slots = rt.slot_rows_of(row.request_id)
                     fill_rows(rt.device_kv, self.pool,
                               [rt.host_row(row.request_id, p) for p in range(n - 1)],
-                              slots[: n - 1]).wait()
+                              slots[: n - 1], self.copy_stream).order_before()
         if self.fast is not None and self.trace is None:
-            return self._forward_fast(cmd, enqueued)
+            return self._forward_fast(cmd, batch, enqueued)
         # Batch-invariant mode runs each row as its own batch of one: matmul results depend on the
         # batch shape (measured: torch CPU linear differs bitwise between M=1 and M=5), so only
         # this makes a request's logits independent of what else the scheduler batched with it.
-        groups = [(r,) for r in cmd.batch] if self.batch_invariant else [cmd.batch]
+        groups = [(r,) for r in batch] if self.batch_invariant else [batch]
         parts: list[Tensor] = []
         for rows in groups:
             caches = [self._index_cache(r.request_id, r.seq_len) for r in rows]
@@ -347,32 +399,33 @@ class HiSparseWorker:
                 rt.accumulate_hot_counts()
         logits = torch.cat(parts)
         if self.on_logits is not None:
-            self.on_logits(cmd, logits)
+            self.on_logits(batch, logits)
         sampled: tuple = ()
         if self.writer:
             rows = logits.detach().float().cpu()
             toks = []
-            for b, r in enumerate(cmd.batch):
+            for b, r in enumerate(batch):
                 sampler = self.samplers.get(r.request_id)
                 toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
-            sampled = tuple((r.request_id, t) for r, t in zip(cmd.batch, toks))
+            sampled = tuple((r.request_id, t) for r, t in zip(batch, toks))
         return sampled, ()
 
-    def _forward_fast(self, cmd: StepCommand, enqueued: list[int]):
+    def _forward_fast(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
         """The batch as one fast step (greedy tokens come from the device; a row sampling with a
-        temperature reads its logits back). The step's backups are enqueued while the GPU runs."""
-        launched = self.fast.launch(cmd.batch)
+        temperature reads its logits back). The step's backups are enqueued while the GPU runs
+        (the copy stream waits for the launched step, which writes the rows they copy)."""
+        launched = self.fast.launch(batch)
         if cmd.backups:
             self._enqueue_backups(cmd, enqueued)
         toks, hits, misses, logits = self.fast.collect(launched)
         if self.on_logits is not None:
-            self.on_logits(cmd, logits)
-        per_request = [(r.request_id, h, m) for r, h, m in zip(cmd.batch, hits, misses)]
+            self.on_logits(batch, logits)
+        per_request = [(r.request_id, h, m) for r, h, m in zip(batch, hits, misses)]
         if not self.writer:
             return (), per_request
         host = None
         out = []
-        for b, r in enumerate(cmd.batch):
+        for b, r in enumerate(batch):
             sampler = self.samplers.get(r.request_id)
             if sampler is not None and sampler.params.temperature > 0:
                 host = logits.float().cpu() if host is None else host

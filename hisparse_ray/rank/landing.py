@@ -42,8 +42,6 @@ class HostWriter(Protocol):
 
     def layer(self, l: int) -> Any: ...
 
-    def begin_write(self) -> None: ...
-
     def publish(self) -> Any: ...
 
 
@@ -112,8 +110,7 @@ class RankLanding:
         layers = range(len(self.staging)) if layers is None else layers
         t0 = time.perf_counter()
         with self.lock:
-            self.pool.begin_write()
-            try:
+            try:  # synchronous: the bytes are in host memory before the request may decode
                 copy_runs([self.staging[l] for l in layers],
                           [self.pool.layer(l) for l in layers], runs)
             finally:
@@ -149,7 +146,6 @@ class RankLanding:
             if rid in self._cancelled:
                 raise StateError(f"landing of {rid!r} was dropped on rank {self.rank}")
             if step.host_written and self.rank == 0:
-                self.pool.begin_write()
                 self.pool.publish()
             if keys is not None or not self.keys.has_index_keys(rid):
                 self.keys.install_index_keys(rid, keys, step.capacity)

@@ -24,7 +24,7 @@ from hisparse_ray import kernels
 from hisparse_ray.config import HiSparseConfig, KVLayout
 from hisparse_ray.errors import CapacityError, DuplicateRequestError, StateError, UnknownRequestError
 from hisparse_ray.kernels.kvfp8 import KVRowCodec, resolve_kv_dtype
-from hisparse_ray.types import NO_BLOCK, BatchRow, RequestId, TableDiff
+from hisparse_ray.types import NO_BLOCK, RequestId
 
 
 @dataclass
@@ -111,10 +111,11 @@ class HiSparseRuntime:
         self._hot_totals[st.state_row].zero_()  # the row's next request starts from 0
         self._free_state_rows.append(st.state_row)
 
-    def apply_diff(self, diff: TableDiff) -> None:
-        if diff.request_id not in self.requests:
-            self.add(diff.request_id)
-        self.requests[diff.request_id].set_page(diff.page, diff.host_block, diff.device_block)
+    def apply_diff(self, rid: RequestId, page: int, host_block: int, device_block: int) -> None:
+        """Set one page of ``rid``'s block tables (a ``TableDiff``; the first one adds it)."""
+        if rid not in self.requests:
+            self.add(rid)
+        self.requests[rid].set_page(page, host_block, device_block)
 
     def set_hot_blocks(self, rid: RequestId, hot_blocks: tuple[int, ...]) -> bool:
         """Bind the request's hot buffer; a new buffer starts with empty slots. Returns True when the
@@ -165,8 +166,9 @@ class HiSparseRuntime:
         return st.host_table[page] * self.page + off
 
     # --- per step --------------------------------------------------------------------------------
-    def begin_step(self, batch: tuple[BatchRow, ...]) -> Tensor:
-        """Build the resolver's batch tensors for this step; returns the write rows ``[B]`` int64."""
+    def begin_step(self, batch) -> Tensor:
+        """Build the resolver's batch tensors for this step (``batch``: rows with ``request_id``
+        and ``seq_len``, the executor's ``Row``s); returns the write rows ``[B]`` int64."""
         for row in batch:
             if row.request_id not in self.requests:
                 raise UnknownRequestError(row.request_id)

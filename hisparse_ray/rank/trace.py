@@ -36,7 +36,8 @@ SCHEMA = pa.schema([
 class TopkTraceRecorder:
     """Collects top-k selections. Set it as ``HiSparseWorker.trace`` (the worker calls
     ``begin_step(step, rows)`` before each forward and passes ``hook`` as the model's
-    ``topk_hook``), or drive it by hand with ``BatchRow``-like rows (``request_id``, ``seq_len``)."""
+    ``topk_hook``), or drive it by hand with rows naming ``request_id`` and ``seq_len`` (the
+    executor's ``Row``)."""
 
     def __init__(self) -> None:
         self._cols: dict[str, list] = {name: [] for name in SCHEMA.names}

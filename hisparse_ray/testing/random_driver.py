@@ -67,9 +67,9 @@ class RandomDriver:
 
     def op_take(self) -> None:
         self.op_poll()
-        cmds = self.coord.take_commands()
-        if cmds:
-            self.worker.execute(cmds)
+        cmd = self.coord.take_command()
+        if cmd is not None:
+            self.worker.execute(cmd)
 
     def op_report(self, rank: int, flush: bool = False) -> None:
         rank %= self.cfg.tp_size

@@ -1,11 +1,16 @@
 """A reference worker in pure Python: executes StepCommands against a content model (pure ring).
 
 It plays every TP rank of the worker side of the protocol, for property tests and the soak run:
-block tables from diffs alone, page transfers run in stream order (when the command is
+request handles and hot buffers from the commands' diffs alone (a handle must be defined before
+it is used and released before it is defined again; a request's first row carries its hot
+buffer), block tables from diffs alone, page transfers run in stream order (when the command is
 processed), the forward reads every position ``< n-1`` from the row its table names and checks it
 holds that position's KV, then writes the newest row; backups copy it to host. A row's "KV" is a
 chained hash of the tokens up to it, so a stale, overwritten or wrongly shared row is detected.
-Acks are released later, at random, per rank, out of order (``report``).
+Host writes (spills, backups) are rank 0's: each command's writes form the next host-pool
+generation, and every host read of a command (restores, the forward) must find its row's
+generation published to the peers by the command (``host_seq``). Acks are released later, at
+random, per rank, out of order (``report``; rank 0's carry the latest generation).
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ class ReferenceWorker:
         self.due: dict[int, list[tuple[str, int]]] = {}
         self.steps: list[int] = []
         self.violations: list[str] = []
+        self.names: dict[int, str] = {}  # handle -> request id
+        self.hot: dict[str, tuple[int, ...]] = {}  # the hot buffer each request was last sent
+        self.gen = 0  # host-pool generations published so far (rank 0 writes)
+        self.host_gen: dict[tuple[int, int], int] = {}  # host row -> generation that wrote it
 
     def _value(self, rid: str, p: int) -> int:
         vals, toks = self.vals[rid], self.tokens[rid]
@@ -64,31 +73,69 @@ class ReferenceWorker:
                 else:
                     self.host[(lp.host_block, off)] = v
 
-    def execute(self, cmds: tuple[StepCommand, ...]) -> None:
-        if len(cmds) != self.cfg.tp_size or [c.rank for c in cmds] != list(range(self.cfg.tp_size)):
-            self._bad(f"expected one command per rank, got ranks {[c.rank for c in cmds]}")
+    def _name(self, c: StepCommand, handle: int) -> str | None:
+        rid = self.names.get(handle)
+        if rid is None:
+            self._bad(f"step {c.step}: handle {handle} used before any command defined it")
+        return rid
+
+    def _read_host(self, c: StepCommand, key: tuple[int, int]) -> int | None:
+        """A peer's read of host row ``key``: only after its generation reached the peers."""
+        if self.host_gen.get(key, 0) > c.host_seq:
+            self._bad(f"step {c.step}: host row {key} of generation {self.host_gen[key]} read "
+                      f"with only generation {c.host_seq} published to the peers")
+        return self.host.get(key)
+
+    def execute(self, c: StepCommand | None) -> None:
+        if type(c) is not StepCommand:
+            self._bad(f"expected one StepCommand for every rank, got {c!r}")
             return
-        c = cmds[0]
-        for other in cmds[1:]:
-            if (other.step, other.batch, other.table_diffs, other.transfers, other.backups,
-                    other.released) != (c.step, c.batch, c.table_diffs, c.transfers, c.backups,
-                                        c.released):
-                self._bad(f"step {c.step}: rank {other.rank} command differs from rank 0")
+        if self.steps and c.step != self.steps[-1] + 1:
+            self._bad(f"step {c.step} after step {self.steps[-1]}")
+        if c.host_seq > self.gen:
+            self._bad(f"step {c.step}: host_seq {c.host_seq} was never published ({self.gen})")
         self.steps.append(c.step)
+        for h in c.released:
+            rid = self.names.pop(h, None)
+            if rid is None:
+                self._bad(f"step {c.step}: released handle {h} names no request")
+            else:
+                self.tables.pop(rid, None)
+                self.hot.pop(rid, None)
+        for d in c.handles:
+            if d.handle in self.names:
+                self._bad(f"step {c.step}: handle {d.handle} defined while it names "
+                          f"{self.names[d.handle]}")
+            if d.request_id in self.names.values():
+                self._bad(f"step {c.step}: {d.request_id} got a second handle")
+            self.names[d.handle] = d.request_id
+        wrote = False
         for d in c.table_diffs:
-            self.tables.setdefault(d.request_id, {})[d.page] = (d.host_block, d.device_block)
+            rid = self._name(c, d.handle)
+            if rid is not None:
+                self.tables.setdefault(rid, {})[d.page] = (d.host_block, d.device_block)
         for t in c.transfers:
             for off in range(self.ps):
                 if t.kind is TransferKind.SPILL:
                     self.host[(t.host_block, off)] = self.device.get((t.device_block, off), -1)
+                    self.host_gen[(t.host_block, off)] = self.gen + 1
+                    wrote = True
                 else:
-                    self.device[(t.device_block, off)] = self.host.get((t.host_block, off), -1)
+                    self.device[(t.device_block, off)] = self._read_host(c, (t.host_block, off))
+                    if self.device[(t.device_block, off)] is None:
+                        self.device[(t.device_block, off)] = -1
             for a in self.acks:
                 a[t.transfer_id] = "issued"
         samples: list[tuple[str, int]] = []
         newest: dict[str, int] = {}
         for row in c.batch:
-            rid, n = row.request_id, row.seq_len
+            rid, n = self._name(c, row.handle), row.seq_len
+            if rid is None:
+                continue
+            if row.hot_blocks is not None:
+                self.hot[rid] = row.hot_blocks
+            elif rid not in self.hot:
+                self._bad(f"step {c.step}: {rid}'s first row carries no hot buffer")
             table = self.tables.get(rid)
             if table is None:
                 self._bad(f"{rid} in a batch before any table diff")
@@ -99,7 +146,7 @@ class ReferenceWorker:
                 h, d = table.get(p // self.ps, (NO_BLOCK, NO_BLOCK))
                 off = p % self.ps
                 got = (self.device.get((d, off)) if d != NO_BLOCK
-                       else self.host.get((h, off)) if h != NO_BLOCK else None)
+                       else self._read_host(c, (h, off)) if h != NO_BLOCK else None)
                 if got != self._value(rid, p):
                     self._bad(f"step {c.step} {rid}: position {p} (host {h}, device {d}) is wrong")
                     break
@@ -107,20 +154,25 @@ class ReferenceWorker:
             v = self._value(rid, n - 1)
             if d != NO_BLOCK:
                 self.device[(d, (n - 1) % self.ps)] = v
-            elif h == NO_BLOCK or len(row.hot_blocks) != self.cfg.hot_blocks_per_request:
+            elif h == NO_BLOCK or len(self.hot.get(rid, ())) != self.cfg.hot_blocks_per_request:
                 self._bad(f"{rid}: newest position {n - 1} has no resident page and no host tier")
             newest[rid] = n - 1
             tok = self.rng.randrange(self.vocab)
             self.tokens[rid].append(tok)
             samples.append((rid, tok))
         for b in c.backups:
-            if newest.get(b.request_id) != b.position:
-                self._bad(f"backup of {b.request_id} position {b.position} is not its newest row")
-            self.host[(b.host_block, b.offset)] = self._value(b.request_id, b.position)
+            rid = self._name(c, b.handle)
+            if rid is None:
+                continue
+            if newest.get(rid) != b.position:
+                self._bad(f"backup of {rid} position {b.position} is not its newest row")
+            self.host[(b.host_block, b.offset)] = self._value(rid, b.position)
+            self.host_gen[(b.host_block, b.offset)] = self.gen + 1
+            wrote = True
             for a in self.acks:
                 a[b.transfer_id] = "issued"
-        for rid in c.released:
-            self.tables.pop(rid, None)
+        if wrote:
+            self.gen += 1
         if samples:
             self.due[c.step] = samples
 
@@ -143,7 +195,8 @@ class ReferenceWorker:
             elif r < p_ack and acks[tid] == "issued":
                 enq.append(tid)
                 acks[tid] = "enqueued"
-        return StepReport(step, Rank(rank), tuple(enq), tuple(comp), sampled)
+        return StepReport(step, Rank(rank), tuple(enq), tuple(comp), sampled,
+                          published=self.gen if rank == 0 else 0)
 
     def flush(self, rank: int) -> StepReport | None:
         """Report every outstanding ack of ``rank`` completed (and rank 0's due tokens)."""
@@ -152,4 +205,4 @@ class ReferenceWorker:
         rep = self.report(rank, p_ack=0.0)
         comp = tuple(self.acks[rank])
         self.acks[rank].clear()
-        return StepReport(rep.step, rep.rank, (), comp, rep.sampled)
+        return StepReport(rep.step, rep.rank, (), comp, rep.sampled, published=rep.published)

@@ -10,10 +10,10 @@ import pytest
 import ray
 
 from hisparse_ray.actors import launch
-from hisparse_ray.testing.full_resident import full_resident_tokens
-from hisparse_ray.deploy import PrefillSpec, ReplicaSpec
 from hisparse_ray.config import GIB, HiSparseConfig
+from hisparse_ray.deploy import PrefillSpec, ReplicaSpec
 from hisparse_ray.errors import CapacityError
+from hisparse_ray.testing.full_resident import full_resident_tokens
 
 pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""Process bodies for the transfer tests (importable by spawned children and Ray workers)."""
+"""Process bodies for the ring tests (importable by spawned children and Ray workers)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import random
 import time
 from typing import Iterator
 
+from hisparse_ray.channel.codec import PickleCodec
 from hisparse_ray.channel.pair import ChannelPair
-from hisparse_ray.channel.ring import ShmChannel
+from hisparse_ray.channel.ring import ShmRing
+
+P = PickleCodec()  # these tests send any object; the step codec carries step messages only
 
 
 def messages(seed: int, n: int, max_len: int) -> Iterator[tuple[int, bytes]]:
@@ -24,10 +27,10 @@ def _maybe_pause(rng: random.Random, p: float = 0.02) -> None:
 
 
 def sink(spec, n: int, seed: int, max_len: int, timeout: float = 20.0) -> int:
-    """Attach as receiver, check ``n`` messages against ``messages(seed, ...)`` arriving in order,
+    """Attach as a reader (``spec.reader`` of a broadcast), check ``n`` messages against ``messages(seed, ...)`` arriving in order,
     pausing at random (so the sender hits a full ring); returns n."""
-    rng = random.Random(~seed)
-    chan = ShmChannel.attach(spec)
+    rng = random.Random(~seed ^ (spec.reader << 8))  # each reader of a broadcast its own pace
+    chan = ShmRing.attach(spec, codec=P)
     try:
         for want in messages(seed, n, max_len):
             got = chan.recv(timeout)
@@ -40,7 +43,7 @@ def sink(spec, n: int, seed: int, max_len: int, timeout: float = 20.0) -> int:
     return n
 
 
-def source(chan: ShmChannel, n: int, seed: int, max_len: int, timeout: float = 20.0) -> int:
+def source(chan: ShmRing, n: int, seed: int, max_len: int, timeout: float = 20.0) -> int:
     """Send ``messages(seed, ...)`` with random pauses; returns n."""
     rng = random.Random(seed ^ 0x5A5A)
     for msg in messages(seed, n, max_len):
@@ -52,7 +55,7 @@ def source(chan: ShmChannel, n: int, seed: int, max_len: int, timeout: float = 2
 def echo_loop(spec, n: int, seed: int, timeout: float = 20.0) -> int:
     """Attach to a ChannelPair and echo ``n`` messages back, at a random pace; returns n."""
     rng = random.Random(seed)
-    pair = ChannelPair.attach(spec)
+    pair = ChannelPair.attach(spec, codec=P)
     try:
         for _ in range(n):
             msg = pair.recv(timeout)
@@ -91,7 +94,7 @@ def drive(pair: ChannelPair, n: int, seed: int, max_len: int, timeout: float = 2
 
 def attach_and_hang(spec, ready) -> None:
     """Attach, signal, then block (the test kills this process)."""
-    pair = ChannelPair.attach(spec)
+    pair = ChannelPair.attach(spec, codec=P)
     ready.set()
     time.sleep(3600)
     pair.close()

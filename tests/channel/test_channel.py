@@ -1,5 +1,6 @@
-"""The shared-memory step channel in one process: framing, wrap-around, backpressure, errors,
-segment lifecycle, and a hypothesis model of the ring."""
+"""The shared-memory rings in one process: framing, wrap-around, backpressure, errors, segment
+lifecycle, the broadcast to several readers (each its own cursor, the writer held by the slowest),
+and hypothesis models of the ring against a FIFO per reader."""
 
 from __future__ import annotations
 
@@ -11,32 +12,37 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hisparse_ray.channel.codec import PickleCodec, StepCodec
+from hisparse_ray.channel.fanout import RankChannels
 from hisparse_ray.channel.pair import ChannelPair
-from hisparse_ray.channel.ring import SHM_DIR, ShmChannel, WaitPolicy, cleanup_stale_segments
-from hisparse_ray.channel.stepcodec import StepCodec
+from hisparse_ray.channel.ring import (
+    NATIVE, SHM_DIR, ShmRing, WaitPolicy, cleanup_stale_segments,
+)
 from hisparse_ray.errors import (
     ChannelClosedError,
     ChannelError,
     ChannelTimeoutError,
     MessageTooLargeError,
 )
-from hisparse_ray.types import BatchRow, Rank, RequestId, StepCommand, StepReport
+from hisparse_ray.types import BatchRow, Rank, RequestHandle, RequestId, StepCommand, StepReport
 
 FAST = WaitPolicy(spin_s=0, yield_s=0, min_sleep_s=1e-4, max_sleep_s=1e-3)
+
+P = PickleCodec()  # these tests send any object; the step codec carries step messages only
 
 
 @pytest.fixture
 def chan():
-    tx = ShmChannel.create("sender", 1024, prefix="hsr-chtest-", policy=FAST)
-    rx = ShmChannel.attach(tx.spec, policy=FAST)
+    tx = ShmRing.create("writer", 1024, prefix="hsr-chtest-", policy=FAST, codec=P)
+    rx = ShmRing.attach(tx.spec, policy=FAST, codec=P)
     yield tx, rx
     tx.close()
     rx.close()
 
 
 def test_step_messages_round_trip():
-    cmd = StepCommand(step=3, rank=Rank(1),
-                      batch=(BatchRow(RequestId("r1"), 4097, 11, ()),))
+    cmd = StepCommand(step=3, batch=(BatchRow(0, 4097, 11, ()),),
+                      handles=(RequestHandle(0, RequestId("r1")),))
     rep = StepReport(step=3, rank=Rank(1), sampled=((RequestId("r1"), 42),))
     with ChannelPair.create(4096) as coord:
         with ChannelPair.attach(coord.spec) as rank:
@@ -109,16 +115,16 @@ def test_roles_are_enforced(chan):
 
 
 def test_segment_unlinked_once_attached_and_on_close():
-    tx = ShmChannel.create("receiver", 256, prefix="hsr-chtest-")
+    tx = ShmRing.create("reader", 256, prefix="hsr-chtest-", codec=P)
     path = os.path.join(SHM_DIR, tx.name)
     assert os.path.exists(path)
-    rx = ShmChannel.attach(tx.spec)
+    rx = ShmRing.attach(tx.spec, codec=P)
     assert not os.path.exists(path)
     with pytest.raises(ChannelError):
-        ShmChannel.attach(tx.spec)  # a second attacher cannot find it
+        ShmRing.attach(tx.spec, codec=P)  # a second attacher cannot find it
     rx.close()
     tx.close()
-    lone = ShmChannel.create("sender", 256, prefix="hsr-chtest-")
+    lone = ShmRing.create("writer", 256, prefix="hsr-chtest-", codec=P)
     lone.close()
     assert not os.path.exists(os.path.join(SHM_DIR, lone.name))
 
@@ -126,7 +132,7 @@ def test_segment_unlinked_once_attached_and_on_close():
 def test_stale_segments_of_dead_creators_are_removed():
     dead_pid = 2**22 + 12345  # above the default pid_max: never a live process
     stale = os.path.join(SHM_DIR, f"hsr-chtest-{dead_pid}-deadbeef")
-    live = ShmChannel.create("sender", 256, prefix="hsr-chtest-")
+    live = ShmRing.create("writer", 256, prefix="hsr-chtest-", codec=P)
     open(stale, "wb").close()
     removed = cleanup_stale_segments("hsr-chtest-")
     assert os.path.basename(stale) in removed
@@ -137,9 +143,13 @@ def test_stale_segments_of_dead_creators_are_removed():
 
 def test_bad_arguments():
     with pytest.raises(ValueError):
-        ShmChannel.create("sender", 100)  # not a multiple of 8
+        ShmRing.create("writer", 100, codec=P)  # not a multiple of 8
     with pytest.raises(ValueError):
-        ShmChannel.create("both", 256)  # type: ignore[arg-type]
+        ShmRing.create("both", 256, codec=P)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ShmRing.create("reader", 256, readers=2)  # a creating reader reads alone
+    with pytest.raises(ValueError):
+        ShmRing.create("writer", 256, readers=0)
     with pytest.raises(ValueError):
         WaitPolicy(spin_s=1.0, yield_s=0.1)
 
@@ -149,8 +159,8 @@ def test_bad_arguments():
 def test_ring_matches_a_fifo_model(ops):
     """Each op sends a message of that many bytes (None = receive one); the ring must behave like
     an unbounded FIFO that refuses (times out) exactly when the bytes in flight would exceed it."""
-    tx = ShmChannel.create("sender", 512, prefix="hsr-chtest-", policy=FAST)
-    rx = ShmChannel.attach(tx.spec, policy=FAST)
+    tx = ShmRing.create("writer", 512, prefix="hsr-chtest-", policy=FAST, codec=P)
+    rx = ShmRing.attach(tx.spec, policy=FAST, codec=P)
     model: list[bytes] = []
     try:
         for i, op in enumerate(ops):
@@ -178,7 +188,7 @@ def test_ring_matches_a_fifo_model(ops):
 
 
 def _pickled(obj) -> bytes:
-    return StepCodec().dumps(obj)  # the channel's default codec
+    return P.dumps(obj)
 
 
 @pytest.mark.parametrize("err", [
@@ -201,9 +211,9 @@ def test_wait_pending_wakes_for_any_channel_and_times_out():
     import threading
 
     spin = WaitPolicy(spin_s=0, yield_s=2e-3, futex_slice_s=1e-3)
-    a = ShmChannel.create("sender", 1024, prefix="hsr-chtest-", policy=spin)
-    b = ShmChannel.create("sender", 1024, prefix="hsr-chtest-", policy=spin)
-    ra, rb = ShmChannel.attach(a.spec, policy=spin), ShmChannel.attach(b.spec, policy=spin)
+    a = ShmRing.create("writer", 1024, prefix="hsr-chtest-", policy=spin, codec=P)
+    b = ShmRing.create("writer", 1024, prefix="hsr-chtest-", policy=spin, codec=P)
+    ra, rb = ShmRing.attach(a.spec, policy=spin, codec=P), ShmRing.attach(b.spec, policy=spin, codec=P)
     try:
         assert not ra.wait_pending(0.01, (rb,))
         rng = random.Random(11)
@@ -218,3 +228,135 @@ def test_wait_pending_wakes_for_any_channel_and_times_out():
     finally:
         for c in (a, b, ra, rb):
             c.close()
+
+
+# -- one writer, several readers ---------------------------------------------------------------
+def _broadcast(n: int, capacity: int = 1024, native: bool | None = None):
+    tx = ShmRing.create("writer", capacity, readers=n, prefix="hsr-chtest-", policy=FAST, codec=P,
+                        native=native)
+    rxs = [ShmRing.attach(tx.spec_for(i), policy=FAST, codec=P, native=native) for i in range(n)]
+    return tx, rxs
+
+
+def test_every_reader_gets_every_message_and_the_name_goes_with_the_last_attach():
+    tx = ShmRing.create("writer", 1024, readers=3, prefix="hsr-chtest-", policy=FAST, codec=P)
+    path = os.path.join(SHM_DIR, tx.name)
+    try:
+        rxs = [ShmRing.attach(tx.spec_for(0), policy=FAST, codec=P),
+               ShmRing.attach(tx.spec_for(1), policy=FAST, codec=P)]
+        assert os.path.exists(path)  # reader 2 has not mapped it yet
+        with pytest.raises(ChannelError, match="already attached"):
+            ShmRing.attach(tx.spec_for(1), codec=P)
+        rxs.append(ShmRing.attach(tx.spec_for(2), policy=FAST, codec=P))
+        assert not os.path.exists(path)
+        for i in range(50):
+            tx.send((i, b"x" * (i * 7)), timeout=1)
+            for rx in rxs:
+                assert rx.recv(timeout=1) == (i, b"x" * (i * 7))
+        assert not any(rx.pending() for rx in rxs)
+    finally:
+        for r in (tx, *rxs):
+            r.close()
+
+
+def test_the_slowest_reader_holds_the_writer_and_a_closed_reader_stops_it():
+    tx, (fast, slow) = _broadcast(2, 512)
+    try:
+        sent = 0
+        with pytest.raises(ChannelTimeoutError):
+            while True:
+                tx.send(sent, timeout=0.02)
+                sent += 1
+                assert fast.recv(timeout=1) == sent - 1  # the fast reader keeps up
+        assert sent > 5 and not fast.pending()
+        assert slow.recv(timeout=1) == 0  # one frame freed for the slow reader: room again
+        tx.send(sent, timeout=0.05)
+        assert fast.recv(timeout=1) == sent
+        assert [slow.recv(timeout=1) for _ in range(sent)] == list(range(1, sent + 1))
+        slow.close()
+        with pytest.raises(ChannelClosedError):
+            tx.send("x", timeout=1)
+    finally:
+        for r in (tx, fast, slow):
+            r.close()
+
+
+@pytest.mark.parametrize("native", [
+    False, pytest.param(True, marks=pytest.mark.skipif(NATIVE is None, reason="no C ring"))],
+    ids=["python", "c"])
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 4), ops=st.lists(st.tuples(st.integers(-1, 3), st.integers(0, 200)),
+                                         max_size=120))
+def test_broadcast_matches_a_fifo_per_reader(native, n, ops):
+    """Random schedules of sends and per-reader receives: each reader behaves like its own FIFO
+    of everything sent; a send fits exactly when the slowest reader's backlog leaves room."""
+    tx, rxs = _broadcast(n, 512, native)
+    fifos: list[list[bytes]] = [[] for _ in range(n)]
+    try:
+        for i, (who, size) in enumerate(ops):
+            if who < 0 or who >= n:  # a send
+                msg = bytes([i % 256]) * size
+                frame = 16 + ((len(P.dumps(msg)) + 7) & ~7)
+                used = max(sum(16 + ((len(P.dumps(m)) + 7) & ~7) for m in f) for f in fifos)
+                if used + frame <= 512:
+                    tx.send(msg, timeout=0)
+                    for f in fifos:
+                        f.append(msg)
+                else:
+                    with pytest.raises((ChannelTimeoutError, MessageTooLargeError)):
+                        tx.send(msg, timeout=0)
+            elif fifos[who]:
+                assert rxs[who].recv(timeout=0) == fifos[who].pop(0)
+            else:
+                with pytest.raises(ChannelTimeoutError):
+                    rxs[who].recv(timeout=0)
+        for rx, f in zip(rxs, fifos):
+            assert [rx.recv(timeout=0) for _ in f] == f and not rx.pending()
+    finally:
+        for r in (tx, *rxs):
+            r.close()
+
+
+def test_rank_channels_broadcast_one_command_and_gather_every_report():
+    """The coordinator's end: one command on the broadcast, one report per rank back, taken in
+    arrival order; the specs name each rank's reader."""
+    chans = RankChannels(3, FAST)
+    ends = [ChannelPair.attach(spec, policy=FAST) for spec in chans.specs]
+    chans.unlink()
+    try:
+        cmd = StepCommand(7, handles=(RequestHandle(0, RequestId("a")),), host_seq=2)
+        import threading
+
+        def answer(r: int, end: ChannelPair) -> None:
+            got = end.recv(5)
+            assert got == cmd
+            time.sleep(0.01 * (2 - r))  # the last rank answers first
+            end.send(StepReport(got.step, Rank(r), published=got.host_seq if r == 0 else 0), 5)
+
+        threads = [threading.Thread(target=answer, args=(r, e)) for r, e in enumerate(ends)]
+        for t in threads:
+            t.start()
+        reports = chans.round_trip(cmd, 5)
+        for t in threads:
+            t.join()
+        assert [(r.step, r.rank, r.published) for r in reports] == [(7, 0, 2), (7, 1, 0), (7, 2, 0)]
+        (step, t0, sent, found, loaded) = chans.trace[-1]
+        assert step == 7 and t0 <= sent <= min(found) and found[2] <= found[0]
+    finally:
+        for e in ends:
+            e.close()
+        chans.close()
+
+
+def test_the_step_codec_refuses_other_objects_and_reports_corrupt_bytes():
+    with ChannelPair.create(1024) as coord:
+        with ChannelPair.attach(coord.spec) as rank:
+            with pytest.raises(TypeError):
+                coord.send({"not": "a step message"})
+            coord.outbox._codec = P  # a peer speaking another codec: refused, not misread
+            coord.send(("junk", 1))
+            with pytest.raises(ChannelError, match="unreadable"):
+                rank.recv(timeout=1)
+            coord.outbox._codec = StepCodec()
+            coord.send(StepCommand(2))  # the stream goes on: the codec keeps no state
+            assert rank.recv(timeout=1) == StepCommand(2)

@@ -1,5 +1,6 @@
-"""The step channel between real processes: two spawned processes and two Ray actors hammer it
-with thousands of random-size messages at random paces; a dying peer gives a typed error."""
+"""The rings between real processes: spawned processes (one-to-one, one-to-three broadcast, two
+way) and two Ray actors hammer them with thousands of random-size messages at random paces; a
+dying peer gives a typed error."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import time
 
 import pytest
 
+from hisparse_ray.channel.codec import PickleCodec
 from hisparse_ray.channel.pair import ChannelPair
-from hisparse_ray.channel.ring import ShmChannel
+from hisparse_ray.channel.ring import ShmRing
 from hisparse_ray.errors import ChannelPeerLostError, ChannelTimeoutError
 from tests.channel import _peers
 
 CTX = mp.get_context("spawn")
+
+P = PickleCodec()  # these tests send any object; the step codec carries step messages only
 
 
 def _run_child(target, *args):
@@ -27,16 +31,28 @@ def _run_child(target, *args):
 def test_process_one_way_hammer_with_backpressure():
     """4000 messages of 0..1500 bytes through a 4 KiB ring: the ring fills again and again."""
     n, seed, max_len = 4000, 11, 1500
-    with ShmChannel.create("sender", 4096) as tx:
+    with ShmRing.create("writer", 4096, codec=P) as tx:
         child = _run_child(_peers.sink, tx.spec, n, seed, max_len)
         _peers.source(tx, n, seed, max_len)
         child.join(30)
         assert child.exitcode == 0
 
 
+def test_process_broadcast_hammer_with_the_slowest_reader_holding_the_writer():
+    """3000 messages of 0..1500 bytes broadcast through a 4 KiB ring to three reader processes,
+    each pausing at its own random pace: every reader gets every message in order, once."""
+    n, seed, max_len = 3000, 13, 1500
+    with ShmRing.create("writer", 4096, readers=3, codec=P) as tx:
+        children = [_run_child(_peers.sink, tx.spec_for(r), n, seed, max_len) for r in range(3)]
+        _peers.source(tx, n, seed, max_len)
+        for child in children:
+            child.join(60)
+            assert child.exitcode == 0
+
+
 def test_process_two_way_hammer():
     n, seed = 3000, 5
-    with ChannelPair.create(64 * 1024) as pair:
+    with ChannelPair.create(64 * 1024, codec=P) as pair:
         child = _run_child(_peers.echo_loop, pair.spec, n, seed)
         assert _peers.drive(pair, n, seed, max_len=3000) == n
         child.join(30)
@@ -44,7 +60,7 @@ def test_process_two_way_hammer():
 
 
 def test_peer_death_is_a_typed_error_not_a_hang():
-    with ChannelPair.create(4096) as pair:
+    with ChannelPair.create(4096, codec=P) as pair:
         ready = CTX.Event()
         child = _run_child(_peers.attach_and_hang, pair.spec, ready)
         assert ready.wait(30)
@@ -65,7 +81,7 @@ class _ChannelActor:
         self.pair = None
 
     def create(self, capacity):
-        self.pair = ChannelPair.create(capacity)
+        self.pair = ChannelPair.create(capacity, codec=P)
         return self.pair.spec
 
     # Generous per-message deadlines: on a loaded 2-core CI machine a Ray worker can be descheduled

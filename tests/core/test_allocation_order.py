@@ -293,9 +293,9 @@ class OrderCheckingWorker(ReferenceWorker):
                 self.order_violations.append(f"{adm.request_id} {what} {blocks}")
         super().land(adm)
 
-    def execute(self, cmds):
+    def execute(self, cmd):
         groups: dict[tuple[str, TransferOp], list[tuple[int, int]]] = {}
-        for t in cmds[0].transfers if cmds else ():
+        for t in cmd.transfers if cmd is not None else ():
             p = self.coord.book.pending[t.transfer_id]
             block = p.host_block if p.kind is TransferOp.SPILL else p.device_block
             groups.setdefault((p.rid, p.kind), []).append((p.page, block))
@@ -304,7 +304,7 @@ class OrderCheckingWorker(ReferenceWorker):
             self.seen[kind.name.lower()] += len(blocks) > 1
             if not ascending(blocks):
                 self.order_violations.append(f"{rid} {kind.name} {blocks}")
-        super().execute(cmds)
+        super().execute(cmd)
 
 
 def order_driver(cfg: CoordinatorConfig, seed: int) -> tuple[RandomDriver, OrderCheckingWorker]:

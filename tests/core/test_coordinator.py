@@ -10,13 +10,28 @@ from hisparse_ray.errors import (
     UnknownRankError, UnknownRequestError, UnknownTransferError,
 )
 from hisparse_ray.types import (
-    NO_BLOCK, LandingTarget as T, RequestState as S, StepReport, TableDiff, TransferKind,
+    NO_BLOCK, LandingTarget as T, RequestHandle, RequestState as S, StepReport, TableDiff,
+    TransferKind,
 )
 
 
 def make(dev=8, host=8, ps=2, H=1, tp=1, max_batch=8, **kw):
     return Coordinator(CoordinatorConfig(num_device_blocks=dev, num_host_blocks=host, page_size=ps,
                                          device_buffer_size=H, tp_size=tp, max_batch=max_batch, **kw))
+
+
+def take(c):
+    """The next command, with the handles it defines and releases applied to ``c.test_names``
+    (handle -> request id, as a rank keeps them)."""
+    cmd = c.take_command()
+    names = c.__dict__.setdefault("test_names", {})
+    if cmd is not None:
+        for h in cmd.released:
+            del names[h]
+        for d in cmd.handles:
+            assert d.handle not in names
+            names[d.handle] = d.request_id
+    return cmd
 
 
 def tids(cmd):
@@ -28,14 +43,15 @@ def ack(c, cmd, ranks=None, *, enqueued=False, sample=None, ids=None):
     enqueued); rank 0 also returns ``sample`` as every batch row's token."""
     ids = tids(cmd) if ids is None else ids
     for r in range(c.config.tp_size) if ranks is None else ranks:
-        sampled = tuple((row.request_id, sample) for row in cmd.batch) if r == 0 and sample is not None else ()
+        sampled = (tuple((c.test_names[row.handle], sample) for row in cmd.batch)
+                   if r == 0 and sample is not None else ())
         c.apply_report(StepReport(cmd.step, r, enqueued=ids if enqueued else (),
                                   completed=() if enqueued else ids, sampled=sampled))
     c.check_invariants()
 
 
 def step(c, sample=7):
-    (cmd, *_) = c.take_commands()
+    cmd = take(c)
     ack(c, cmd, sample=sample)
     return cmd
 
@@ -144,7 +160,7 @@ def test_backup_page_is_published_only_after_every_rank_completed():
     c.apply_landed("a")  # positions 0, 1 landed: page 0 full and published
     assert c.counters.published_pages == 1
     step(c, sample=6)  # backs up position 2 into page 1
-    cmd0, _ = c.take_commands()
+    cmd0 = take(c)
     (bk,) = cmd0.backups
     assert (bk.position, bk.host_block, bk.offset) == (3, 1, 1)
     key = chain_keys([3, 4, 5, 6], 2)[1]
@@ -157,27 +173,58 @@ def test_backup_page_is_published_only_after_every_rank_completed():
 
 
 # -- steps and commands --------------------------------------------------------------------------
-def test_one_identical_command_per_rank_with_full_tables_first_then_diffs():
+def test_one_command_for_every_rank_with_full_tables_first_then_diffs():
     c = make(dev=8, tp=3)
     c.admit("a", [1, 2, 3, 4], 3)
     c.apply_landed("a")
-    cmds = c.take_commands()
-    assert [x.rank for x in cmds] == [0, 1, 2] and cmds[0].step == 1
-    assert {(x.batch, x.table_diffs, x.transfers, x.backups) for x in cmds} == {
-        (cmds[0].batch, cmds[0].table_diffs, (), ())}
-    row = cmds[0].batch[0]
-    assert (row.request_id, row.seq_len, row.input_token, row.hot_blocks) == ("a", 4, 4, ())
-    assert cmds[0].table_diffs == (TableDiff("a", 0, -1, 0), TableDiff("a", 1, -1, 1))
-    ack(c, cmds[0], sample=9)
-    (cmd, *_) = c.take_commands()  # position 4 needs page 2: one new diff only
-    assert cmd.table_diffs == (TableDiff("a", 2, -1, 2),)
-    assert (cmd.batch[0].seq_len, cmd.batch[0].input_token) == (5, 9)
+    cmd = take(c)
+    assert cmd.step == 1 and cmd.handles == (RequestHandle(0, "a"),)
+    row = cmd.batch[0]
+    assert (row.handle, row.seq_len, row.input_token, row.hot_blocks) == (0, 4, 4, ())
+    assert cmd.table_diffs == (TableDiff(0, 0, -1, 0), TableDiff(0, 1, -1, 1))
+    ack(c, cmd, sample=9)
+    cmd = take(c)  # position 4 needs page 2: one new diff only; handle and hot buffer known
+    assert cmd.table_diffs == (TableDiff(0, 2, -1, 2),) and cmd.handles == ()
+    assert (cmd.batch[0].seq_len, cmd.batch[0].input_token, cmd.batch[0].hot_blocks) == (5, 9, None)
     assert c.view("a").tokens == (1, 2, 3, 4, 9)
+
+
+def test_handles_are_defined_once_released_once_and_reused_after_their_release():
+    c = make(dev=8)
+    for r in "ab":
+        c.admit(r, [1, 2], 1 if r == "a" else 3)
+        c.apply_landed(r)
+    cmd = step(c)
+    assert cmd.handles == (RequestHandle(0, "a"), RequestHandle(1, "b")) and cmd.released == ()
+    cmd = step(c)  # a finished after one token: released here, b still runs
+    assert cmd.released == (0,) and cmd.handles == () and c.test_names == {1: "b"}
+    c.admit("c", [4, 5], 1)
+    c.apply_landed("c")
+    cmd = step(c)  # handle 0 is free again: c takes it
+    assert cmd.handles == (RequestHandle(0, "c"),)
+    assert [c.test_names[row.handle] for row in cmd.batch] == ["b", "c"]
+
+
+def test_the_command_carries_rank_0s_latest_host_generation_to_the_peers():
+    c = make(dev=1, host=8, ps=2, H=1, tp=2)
+    c.admit("a", [3, 4, 5], 4)
+    c.apply_landed("a")
+    cmd = take(c)
+    assert cmd.host_seq == 0
+    c.apply_report(StepReport(cmd.step, 1, completed=tids(cmd)))
+    c.apply_report(StepReport(cmd.step, 0, completed=tids(cmd), sampled=(("a", 1),),
+                              published=3))
+    nxt = take(c)
+    assert nxt.host_seq == 3
+    c.apply_report(StepReport(nxt.step, 0, published=2))  # an older report never lowers it
+    c.apply_report(StepReport(nxt.step, 0, completed=tids(nxt), sampled=(("a", 1),)))
+    c.apply_report(StepReport(nxt.step, 1, completed=tids(nxt)))
+    assert take(c).host_seq == 3
 
 
 def test_nothing_to_send_gives_no_command_and_no_step():
     c = make()
-    assert c.take_commands() == () and c.step == 0
+    assert c.take_command() is None and c.step == 0
 
 
 def test_request_finishes_at_max_new_tokens_or_eos_and_is_released_once():
@@ -190,7 +237,7 @@ def test_request_finishes_at_max_new_tokens_or_eos_and_is_released_once():
     step(c, sample=0)  # b hits eos
     assert (c.view("b").state, c.view("b").finish_reason, c.view("b").num_generated) == (S.RELEASED, "eos", 2)
     cmd = step(c, sample=6)
-    assert cmd.released == ("b",)
+    assert cmd.released == (1,)  # b's handle
     assert (c.view("a").state, c.view("a").finish_reason, c.view("a").tokens) == (
         S.RELEASED, "length", (1, 2, 5, 0, 6))
     assert c.counters.device_blocks_used == 0 and c.counters.finished == 2
@@ -201,8 +248,8 @@ def test_max_batch_limits_rows_in_admission_order():
     for r in "abc":
         c.admit(r, [1], 1)
         c.apply_landed(r)
-    (cmd,) = c.take_commands()
-    assert [row.request_id for row in cmd.batch] == ["a", "b"]
+    cmd = take(c)
+    assert [c.test_names[row.handle] for row in cmd.batch] == ["a", "b"]
 
 
 # -- spill, restore ------------------------------------------------------------------------------
@@ -216,7 +263,7 @@ def _resident_full(tp=2):
 
 def test_spill_before_free_releases_device_blocks_only_after_every_rank_enqueued():
     c = _resident_full()
-    (cmd, _) = c.take_commands()  # position 8 needs a 5th page: convert a to the host tier
+    cmd = take(c)  # position 8 needs a 5th page: convert a to the host tier
     assert cmd.batch == () and c.counters.stalls == 1
     assert [(t.kind, t.device_block, t.host_block) for t in cmd.transfers] == [
         (TransferKind.SPILL, d, d) for d in range(4)]
@@ -226,12 +273,12 @@ def test_spill_before_free_releases_device_blocks_only_after_every_rank_enqueued
     assert c.device.num_free == 3  # block 0 became a's hot buffer, 1..3 were released
     assert c.counters.published_pages == 0 and c.counters.spills == 0  # not completed yet
     assert c._requests["a"].hot == [0]
-    (nxt, _) = c.take_commands()
+    nxt = take(c)
     assert nxt.batch == ()  # spills not completed yet: a stays out of the batch
-    assert nxt.table_diffs == tuple(TableDiff("a", i, i, -1) for i in range(4))
+    assert nxt.table_diffs == tuple(TableDiff(0, i, i, -1) for i in range(4))
     ack(c, cmd)
     assert (c.counters.spills, c.counters.published_pages, c.view("a").tier) == (4, 4, T.HOST)
-    (s3, _) = c.take_commands()
+    s3 = take(c)
     assert (s3.batch[0].seq_len, s3.batch[0].hot_blocks) == (9, (0,))
     (bk,) = s3.backups
     assert (bk.position, bk.host_block, bk.offset) == (8, 4, 0)
@@ -241,7 +288,7 @@ def test_waiting_admission_converts_a_resident_request_and_lands_after_enqueued(
     c = _resident_full()
     assert c.admit("b", [5, 5, 5], 1) is None  # device full: waits (resident), relieves pressure
     assert c.counters.conversions_to_host == 1
-    (cmd, _) = c.take_commands()
+    cmd = take(c)
     assert [t.kind for t in cmd.transfers] == [TransferKind.SPILL] * 4 and cmd.batch == ()
     assert c.poll_waiting() == ()  # nothing is freed before every rank enqueued the spills
     ack(c, cmd, enqueued=True)
@@ -265,7 +312,7 @@ def test_restore_moves_a_host_tier_request_back_to_resident_pages():
     assert c.restore("a2") is False  # 2 device pages needed, 0 free
     c.finish("f2")
     assert c.restore("a2") is True
-    (cmd, _) = c.take_commands()
+    cmd = take(c)
     assert [(t.kind, t.host_block) for t in cmd.transfers] == [(TransferKind.RESTORE, 0), (TransferKind.RESTORE, 1)]
     with pytest.raises(StateError):
         c.restore("a2")  # already converting
@@ -273,7 +320,7 @@ def test_restore_moves_a_host_tier_request_back_to_resident_pages():
     v = c.view("a2")
     assert (v.tier, c.counters.restores, c._requests["a2"].hot) == (T.RESIDENT, 2, [])
     assert c.counters.host_blocks_used == 0 and c.counters.host_blocks_cached == 2
-    (nxt, _) = c.take_commands()
+    nxt = take(c)
     assert nxt.batch[0].hot_blocks == () and nxt.backups == ()
 
 
@@ -298,7 +345,7 @@ def test_finish_with_transfers_in_flight_frees_leases_only_when_they_complete():
     c = make(dev=2, host=8, tp=2)
     assert c.admit("a", [1, 2, 3, 4, 5], 4).target is T.HOST
     c.apply_landed("a")
-    (cmd, _) = c.take_commands()
+    cmd = take(c)
     c.finish("a")
     c.free("a")  # forgotten once released
     assert c.view("a").state is S.FINISHED and c.counters.device_blocks_used == 1
@@ -307,7 +354,7 @@ def test_finish_with_transfers_in_flight_frees_leases_only_when_they_complete():
     ack(c, cmd, ranks=[1])
     assert c.request_ids() == () and c.counters.device_blocks_used == 0
     assert (c.counters.host_blocks_used, c.counters.host_blocks_cached) == (0, 2)
-    assert c.take_commands()[0].released == ("a",)
+    assert take(c).released == (0,)
     with pytest.raises(DoubleFreeError):
         c.free("a")
 
@@ -332,12 +379,13 @@ def test_free_rules():
     c.check_invariants()
 
 
-@pytest.mark.parametrize("bad", ["rank", "tid", "dup", "sampled_rank", "not_due", "future", "twice"])
+@pytest.mark.parametrize("bad", ["rank", "tid", "dup", "sampled_rank", "not_due", "future", "twice",
+                                 "peer_published", "negative_published"])
 def test_bad_reports_raise_and_leave_state_unchanged(bad):
     c = make(dev=2, host=8, tp=2)
     c.admit("a", [1, 2, 3, 4, 5], 4)
     c.apply_landed("a")
-    (cmd, _) = c.take_commands()
+    cmd = take(c)
     (tid,) = tids(cmd)
     c.apply_report(StepReport(1, 0, enqueued=(tid,)))
     before = snapshot(c)
@@ -349,6 +397,8 @@ def test_bad_reports_raise_and_leave_state_unchanged(bad):
         "not_due": (StepReport(1, 0, sampled=(("zz", 1),)), UnknownRequestError),
         "future": (StepReport(2, 0), StateError),
         "twice": (StepReport(1, 1, completed=(tid, tid)), StateError),
+        "peer_published": (StepReport(1, 1, published=1), StateError),
+        "negative_published": (StepReport(1, 0, published=-1), StateError),
     }[bad]
     with pytest.raises(err):
         c.apply_report(report)
@@ -367,6 +417,6 @@ def test_everything_that_crosses_a_process_boundary_pickles():
     c = make(dev=2, host=8, tp=2)
     adm = c.admit("a", [1, 2, 3, 4, 5], 2)
     c.apply_landed("a")
-    cmds = c.take_commands()
-    for obj in (adm, c.view("a"), c.counters, *cmds):
+    cmd = take(c)
+    for obj in (adm, c.view("a"), c.counters, cmd, StepReport(1, 0, sampled=(("a", 2),))):
         assert pickle.loads(pickle.dumps(obj)) == obj

@@ -14,22 +14,37 @@ def make(dev, host, ps=2, H=1, tp=1):
                                          device_buffer_size=H, tp_size=tp, max_batch=8))
 
 
+def take(c):
+    """The next command (or None), with the handles it defines and releases applied to
+    ``c.test_names`` (handle -> request id, as a rank keeps them)."""
+    cmd = c.take_command()
+    names = c.__dict__.setdefault("test_names", {})
+    if cmd is not None:
+        for h in cmd.released:
+            del names[h]
+        for d in cmd.handles:
+            names[d.handle] = d.request_id
+    return cmd
+
+
 def ack(c, cmd, sample=1):
-    """Ack every transfer of ``cmd`` completed and sample ``sample`` for every row."""
+    """Every rank acks every transfer of ``cmd`` completed; rank 0 samples ``sample`` for every
+    row."""
     ids = tuple(t.transfer_id for t in cmd.transfers) + tuple(b.transfer_id for b in cmd.backups)
-    sampled = tuple((row.request_id, sample) for row in cmd.batch) if cmd.rank == 0 else ()
-    c.apply_report(StepReport(cmd.step, cmd.rank, completed=ids, sampled=sampled))
+    for rank in range(c.config.tp_size):
+        sampled = tuple((c.test_names[row.handle], sample) for row in cmd.batch) if rank == 0 else ()
+        c.apply_report(StepReport(cmd.step, rank, completed=ids, sampled=sampled))
 
 
 def step(c, sample=1):
     """Land waiting admissions, emit one step and ack it; False when there was nothing to send."""
     for adm in c.poll_waiting():
         c.apply_landed(adm.request_id)
-    cmds = c.take_commands()
-    for cmd in cmds:
+    cmd = take(c)
+    if cmd is not None:
         ack(c, cmd, sample)
     c.check_invariants()
-    return bool(cmds)
+    return cmd is not None
 
 
 def run_to_end(c, max_steps=200):
@@ -97,7 +112,8 @@ def test_stalled_request_claims_a_device_block_ahead_of_admissions():
         assert c.admit(rid, [ord(rid)] * 7, 6).target is T.RESIDENT  # backed, 4 pages each
         c.apply_landed(rid)
     while True:  # until both reach page 4 (the same step)
-        (cmd,) = c.take_commands()
+        cmd = take(c)
+        assert cmd is not None
         if c.counters.stalls:
             break
         ack(c, cmd)

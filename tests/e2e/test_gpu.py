@@ -42,7 +42,10 @@ def test_tp2_landings_spills_restores_backups_match_full_resident(ray_cluster, g
     outgrow a 12-block device pool (spills), a second wave reusing their published prefixes
     (restores), and backups every step: tokens equal full-resident decode. ``gpu-each`` (0.8 per
     rank: no two ranks fit one GPU, 0.2 left for prefill): the ranks are on different GPUs, the TP
-    group is NCCL, and they still share one host pool segment."""
+    group is NCCL, and they still share one host pool segment. Rank 0 never waits for its copies
+    (issue #16 B2): the peer reads the rows rank 0 spilled or backed up in the steps before only
+    after its stream waited on their generation's IPC event (``StepCommand.host_seq``); a stale
+    row there would change the peer's half of every head all-reduce, hence the logits."""
     import os
 
     model = ModelSpec()

@@ -34,8 +34,8 @@ def run(model, prompts, max_new, cfg, **kw):
     """Tokens per request and every step's logits per request (keyed by (request, seq_len))."""
     logits = {}
     with Engine(model, cfg) as eng:
-        def grab(cmd, out):
-            for b, row in enumerate(cmd.batch):
+        def grab(rows, out):
+            for b, row in enumerate(rows):
                 logits[(row.request_id, row.seq_len)] = out[b].detach().clone()
         eng.worker.on_logits = grab
         for i, p in enumerate(prompts):

@@ -89,8 +89,8 @@ class HFTwins:
         self.mismatches += sum(a != b for a, b in zip(as_sets(topk), as_sets(ref)))
         return ref
 
-    def on_logits(self, cmd, logits: torch.Tensor) -> None:
-        for b, r in enumerate(cmd.batch):
+    def on_logits(self, rows, logits: torch.Tensor) -> None:
+        for b, r in enumerate(rows):
             self.ours[(str(r.request_id), r.seq_len)] = logits[b].detach().float().clone()
 
 

@@ -48,8 +48,8 @@ def drive(model, cfg: EngineConfig, script: list[tuple]) -> dict:
     logits: dict = {}
     prompts: dict = {}
     with Engine(model, cfg) as eng:
-        def grab(cmd, out):
-            for b, row in enumerate(cmd.batch):
+        def grab(rows, out):
+            for b, row in enumerate(rows):
                 logits[(str(row.request_id), row.seq_len)] = out[b].detach().clone()
         eng.worker.on_logits = grab
         for action in script:

@@ -70,8 +70,8 @@ class ForcedHF:
         assert not self.tap.replace  # every forced selection was consumed
         return out.logits[0, -1].float()
 
-    def on_logits(self, cmd, logits: torch.Tensor) -> None:
-        for b, row in enumerate(cmd.batch):
+    def on_logits(self, rows, logits: torch.Tensor) -> None:
+        for b, row in enumerate(rows):
             rid = str(row.request_id)
             if rid not in self.caches:
                 self.caches[rid] = transformers.DynamicCache(config=self.hf.config)

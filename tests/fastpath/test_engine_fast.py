@@ -45,9 +45,9 @@ def run(model, prompts, max_new, cfg, between=None):
     """(tokens, logits per (request, seq_len), coordinator counters, worker counters, batch sizes)."""
     logits, sizes = {}, []
     with Engine(model, cfg) as eng:
-        def grab(cmd, out):
-            sizes.append(len(cmd.batch))
-            for b, row in enumerate(cmd.batch):
+        def grab(rows, out):
+            sizes.append(len(rows))
+            for b, row in enumerate(rows):
                 logits[(row.request_id, row.seq_len)] = out[b].detach().clone()
         eng.worker.on_logits = grab
         news = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
@@ -171,15 +171,15 @@ def test_device_hit_counts_follow_the_runtime_definition(dense):
     with Engine(dense, fast_cfg(MANY, num_device_blocks=12)) as eng:
         step = eng.worker.fast.step
 
-        def check(cmd, _logits):
-            B = len(cmd.batch)
+        def check(batch, _logits):
+            B = len(batch)
             inp = step.inputs
             view = SimpleNamespace(slot_rows=inp.view("slot_rows", B), seq_lens=inp.view("seq_lens", B)[:, 0])
             rows = {a: step.out_rows[a][:B].long() for a in step.anchors}
             plans = {a: step.plan[a][:B] for a in step.anchors}
             want = hot_counts_reference(view, rows, plans, H)
             got = (step.hits[:B].tolist(), step.misses[:B].tolist())
-            assert got == want, (cmd.step, got, want)
+            assert got == want, (len(checked), got, want)
             checked.append(sum(want[0]) + sum(want[1]))
         eng.worker.on_logits = check
         for i, p in enumerate(prompts):

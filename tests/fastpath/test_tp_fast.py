@@ -30,8 +30,8 @@ def _run(rank: int, world: int) -> tuple[dict, dict]:
     logits = {}
     with Engine(m, EngineConfig(fast_path=FAST, batch_invariant=False, max_batch=2,
                                 num_device_blocks=8)) as eng:
-        def grab(cmd, out):
-            for b, row in enumerate(cmd.batch):
+        def grab(rows, out):
+            for b, row in enumerate(rows):
                 logits[(row.request_id, row.seq_len)] = out[b].clone()
         eng.worker.on_logits = grab
         for i, p in enumerate(prompts):

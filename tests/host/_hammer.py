@@ -1,9 +1,13 @@
 """Writer/reader routines shared by the process and Ray hammer tests of the host pool.
 
-Page content is a stamp: every int64 of page (layer, block) written in generation g equals
-``stamp(g, block, layer)``; generation 0 is the zero-filled initial state. Both sides derive the
-writer's schedule from the same seed, so a reader knows exactly which generation's stamp each page
-must carry at the generation it observed: anything else is stale, a mixed page is torn.
+The production protocol: rank 0 is the only writer; every host row is written once while anyone
+may read it (backups fill a request's rows one step at a time, spills and landings fill fresh
+blocks), then published as a generation; a peer reads a row only after ``wait_published`` of a
+generation at or after the one that wrote it (the step command tells it which). Row content is a
+stamp: every int64 of row ``r`` of layer ``l`` written in generation g equals
+``stamp(g, r, l)``; never-written rows are 0. Both sides derive the writer's schedule from the
+same seed, so a reader knows exactly which rows are final at the generation it waited for and
+what they hold: a zero row is stale, a mixed row torn.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import random
 import time
 
-import numpy as np
 import torch
 
 from hisparse_ray.config import KVLayout
@@ -19,116 +22,82 @@ from hisparse_ray.host.pool import HostPool
 
 LAYOUT = KVLayout(num_layers=3, page_size=8, row_bytes=64)
 NUM_BLOCKS = 48
+ROWS = NUM_BLOCKS * LAYOUT.page_size
 
 
-def stamp(gen: int, block: int, layer: int) -> int:
-    return 0 if gen == 0 else gen * 1_000_000 + block * 100 + layer + 1
+def stamp(gen: int, row: int, layer: int) -> int:
+    return gen * 1_000_000 + row * 10 + layer + 1
 
 
-def schedule(seed: int, gens: int, write_once: bool) -> list[list[int]]:
-    """Blocks written in each generation 1..gens (index 0 is empty). write_once: every block is
-    written at most once (like spills into fresh host blocks), else blocks are rewritten."""
+def schedule(seed: int, gens: int) -> list[list[int]]:
+    """Rows written in each generation 1..gens (index 0 is empty): 1-3 fresh rows each (a
+    backup's newest row, or a few rows of a spilled page), every row at most once."""
     rng = random.Random(seed)
-    plan: list[list[int]] = [[]]
-    fresh = list(range(NUM_BLOCKS))
+    fresh = list(range(ROWS))
     rng.shuffle(fresh)
+    plan: list[list[int]] = [[]]
     for _ in range(gens):
-        if write_once:
-            k = min(len(fresh), rng.randint(1, 3))
-            plan.append([fresh.pop() for _ in range(k)])
-        else:
-            plan.append(rng.sample(range(NUM_BLOCKS), rng.randint(1, 6)))
+        plan.append([fresh.pop() for _ in range(min(len(fresh), rng.randint(1, 3)))])
     return plan
 
 
-def last_writer(plan: list[list[int]]) -> list[list[int]]:
-    """lw[g][b]: the generation whose stamp block b carries once generation g is published."""
-    cur = [0] * NUM_BLOCKS
-    out = [list(cur)]
-    for g in range(1, len(plan)):
-        for b in plan[g]:
-            cur[b] = g
-        out.append(list(cur))
-    return out
+def writer_of(plan: list[list[int]]) -> dict[int, int]:
+    """row -> the generation that writes it."""
+    return {r: g for g, rows in enumerate(plan) for r in rows}
 
 
-def run_writer(pool: HostPool, seed: int, gens: int, write_once: bool,
-               duration_s: float = 1.0) -> int:
+def run_writer(pool: HostPool, seed: int, gens: int, duration_s: float = 1.0) -> int:
     """Owner side: write every generation of the schedule, with random pauses, spread over about
-    ``duration_s`` so that readers overlap it; returns gens."""
+    ``duration_s`` so that readers overlap it, publishing each; returns gens."""
     rng = random.Random(seed ^ 0x5EED)
-    plan = schedule(seed, gens, write_once)
+    plan = schedule(seed, gens)
     t0 = time.monotonic()
     for g in range(1, gens + 1):
         ahead = t0 + duration_s * g / gens - time.monotonic()
         if ahead > 0:
             time.sleep(ahead * rng.random() * 2)
-        if not write_once:
-            pool.begin_write()
-        for b in plan[g]:
+        for r in plan[g]:
             for l in range(LAYOUT.num_layers):
-                page = pool.block(l, b).view(torch.int64)
-                half = page.shape[0] // 2  # two stores per page: a torn read is observable
-                page[:half].fill_(stamp(g, b, l))
+                row = pool.layer(l)[r].view(torch.int64)
+                half = row.shape[0] // 2  # two stores per row: a torn read is observable
+                row[:half].fill_(stamp(g, r, l))
                 if rng.random() < 0.05:
                     time.sleep(rng.random() * 2e-4)
-                page[half:].fill_(stamp(g, b, l))
+                row[half:].fill_(stamp(g, r, l))
         pool.publish()
         if rng.random() < 0.3:
             time.sleep(rng.random() * 5e-4)
     return gens
 
 
-def _check_page(copy: np.ndarray, b: int, l: int, gen: int, lw, stats) -> None:
-    want = stamp(lw[gen][b], b, l)
-    if not (copy == copy[0]).all():
-        stats["torn"] += 1
-    elif int(copy[0]) != want:
-        stats["stale"] += 1
-
-
-def run_reader(pool: HostPool, seed: int, gens: int, write_once: bool, min_reads: int = 200,
+def run_reader(pool: HostPool, seed: int, gens: int, min_reads: int = 200,
                timeout_s: float = 60.0, honest: bool = True) -> dict:
-    """Peer side: wait for random generations and read random pages; counts torn and stale pages.
-
-    write_once: read after wait_published(g) only (no seqlock): blocks written up to g are final.
-    Otherwise: seqlock reads (read_begin / copy / read_valid), checked against the observed gen.
-    honest=False skips wait_published (shows that the checks catch a reader breaking protocol).
-    """
+    """Peer side: pick a generation (mostly the latest published, sometimes one ahead: the
+    command may name a generation the writer is still finishing), ``wait_published`` it, read
+    random rows final by then; counts torn and stale rows. ``honest=False`` skips the wait and
+    reads rows of the picked generation at once (shows that the checks catch a reader breaking
+    the protocol)."""
     rng = random.Random(seed ^ 0xBEEF)
-    plan = schedule(seed, gens, write_once)
-    lw = last_writer(plan)
-    stats: dict = {"reads": 0, "pages": 0, "retries": 0, "torn": 0, "stale": 0}
+    plan = schedule(seed, gens)
+    written = writer_of(plan)
+    stats: dict = {"reads": 0, "rows": 0, "torn": 0, "stale": 0}
     deadline = time.monotonic() + timeout_s
     while (stats["reads"] < min_reads or pool.published() < gens) and time.monotonic() < deadline:
-        now = pool.published()  # mostly read at once (overlapping the writer), else wait ahead
+        now = pool.published()
         target = now if rng.random() < 0.7 else rng.randint(now, min(gens, now + 5))
         if honest:
             pool.wait_published(target, timeout_s=timeout_s)
-        if write_once:  # only blocks already final at target (later writes may be in flight)
-            gen = target
-            written = [b for b in range(NUM_BLOCKS) if lw[gen][b] > 0]
-            blocks = rng.sample(written, min(len(written), rng.randint(1, 8)))
-            for b in blocks:
-                for l in range(LAYOUT.num_layers):
-                    copy = pool.block(l, b).reshape(-1).view(torch.int64).numpy().copy()
-                    _check_page(copy, b, l, gen, lw, stats)
-                    stats["pages"] += 1
-        else:
-            blocks = rng.sample(range(NUM_BLOCKS), rng.randint(1, 8))
-            while True:
-                token = pool.read_begin(timeout_s=timeout_s)
-                copies = {(b, l): pool.block(l, b).reshape(-1).view(torch.int64).numpy().copy()
-                          for b in blocks for l in range(LAYOUT.num_layers)}
-                if pool.read_valid(token):
-                    break
-                stats["retries"] += 1
-            gen = token // 2
-            if gen < target:
-                stats["stale"] += 1
-            for (b, l), copy in copies.items():
-                _check_page(copy, b, l, gen, lw, stats)
-                stats["pages"] += 1
+        final = [r for r, g in written.items() if g <= target]
+        if not honest:  # the rows only the picked generation writes: the likeliest to be missing
+            final = plan[target] or final
+        for r in rng.sample(final, min(len(final), rng.randint(1, 8))):
+            for l in range(LAYOUT.num_layers):
+                copy = pool.layer(l)[r].view(torch.int64).numpy().copy()
+                if not (copy == copy[0]).all():
+                    stats["torn"] += 1
+                elif int(copy[0]) != stamp(written[r], r, l):
+                    stats["stale"] += 1
+                stats["rows"] += 1
         stats["reads"] += 1
         if rng.random() < 0.2:
             time.sleep(rng.random() * 3e-4)
@@ -137,13 +106,12 @@ def run_reader(pool: HostPool, seed: int, gens: int, write_once: bool, min_reads
     return stats
 
 
-def reader_process(name: str, seed: int, gens: int, write_once: bool, ready, queue,
-                   honest: bool = True) -> None:
+def reader_process(name: str, seed: int, gens: int, ready, queue, honest: bool = True) -> None:
     """multiprocessing target: attach, signal ``ready``, read, report stats through ``queue``."""
     try:
         with HostPool.attach(name, register_cuda=False) as pool:
             ready.set()
-            queue.put(run_reader(pool, seed, gens, write_once, honest=honest))
+            queue.put(run_reader(pool, seed, gens, honest=honest))
     except BaseException as e:  # report instead of dying silently
         queue.put({"error": repr(e)})
 
@@ -202,11 +170,11 @@ class PoolActor:
         self.pool = HostPool.attach(name, register_cuda=register_cuda)
         return True
 
-    def write(self, seed: int, gens: int, write_once: bool) -> int:
-        return run_writer(self.pool, seed, gens, write_once)
+    def write(self, seed: int, gens: int) -> int:
+        return run_writer(self.pool, seed, gens)
 
-    def read(self, seed: int, gens: int, write_once: bool) -> dict:
-        return run_reader(self.pool, seed, gens, write_once)
+    def read(self, seed: int, gens: int) -> dict:
+        return run_reader(self.pool, seed, gens)
 
     # --- GPU path: device pages spilled by rank 0, restored by a peer after the IPC event
     def _device_layers(self, seed: int) -> list[torch.Tensor]:
@@ -226,13 +194,13 @@ class PoolActor:
             copies.spill_page(self.layers, self.pool, d, h, self.side)
         return self.pool.publish(self.side)
 
-    def restore_and_check(self, seed: int, pairs: list[tuple[int, int]], publication) -> int:
+    def restore_and_check(self, seed: int, pairs: list[tuple[int, int]], publication: int) -> int:
         from hisparse_ray.host import copies
 
         want = self._device_layers(seed)
         got = [torch.zeros_like(t) for t in want]
         side = torch.cuda.Stream()
-        self.pool.wait_published(publication.seq, stream=side, publication=publication)
+        self.pool.wait_published(publication, stream=side)
         for d, h in pairs:
             copies.restore_page(got, self.pool, d, h, side)
         side.synchronize()
@@ -241,6 +209,29 @@ class PoolActor:
             rows = slice(d * LAYOUT.page_size, (d + 1) * LAYOUT.page_size)
             bad += sum(not torch.equal(g[rows], w[rows]) for g, w in zip(got, want))
         return bad
+
+    # --- a decode step's ordering: rank 0 backs rows up on its copy stream and publishes without
+    # waiting; the peer's next step waits on the generation, then reads the rows on the GPU
+    def backup_step(self, seed: int, rows: list[int]) -> int:
+        from hisparse_ray.host import copies
+
+        self.layers = self._device_layers(seed)  # kept: the copies read it after we return
+        self.copy_stream = getattr(self, "copy_stream", None) or torch.cuda.Stream()
+        torch.cuda._sleep(20_000_000)  # the forward, still running when the step reports
+        copies.backup_rows(self.layers, self.pool, rows, rows, self.copy_stream)
+        return self.pool.publish(self.copy_stream)  # no host sync: the report leaves now
+
+    def read_step(self, seed: int, rows: list[int], generation: int) -> int:
+        """Rows of mismatching bytes after reading ``rows`` through UVA (as the resolver reads
+        misses) on the current stream, once it waited for ``generation``."""
+        from hisparse_ray.host import copies
+
+        want = self._device_layers(seed)
+        got = [torch.zeros_like(t) for t in want]
+        self.pool.wait_published(generation)
+        copies.fill_rows(got, self.pool, rows, rows, use_uva=True).order_before()
+        torch.cuda.current_stream().synchronize()
+        return sum(not torch.equal(g[r], w[r]) for g, w in zip(got, want) for r in rows)
 
     def close(self) -> None:
         if self.pool is not None:

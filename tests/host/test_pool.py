@@ -106,7 +106,7 @@ def test_rejects_bad_replica_ids(bad):
 def test_owner_only_operations_and_closed_pool():
     with HostPool.create("own", LAYOUT, 1, register_cuda=False, prefix=PREFIX) as owner:
         peer = HostPool.attach(owner.name, register_cuda=False)
-        for op in (peer.publish, peer.begin_write, peer.destroy):
+        for op in (peer.publish, peer.destroy):
             with pytest.raises(HostPoolError, match="owner"):
                 op()
         view = peer.layer(0)

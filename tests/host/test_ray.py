@@ -28,8 +28,8 @@ def test_ray_actors_hammer_shared_pool(ray_cluster):
         name = ray.get(owner.create.remote("ray", PREFIX))
         ray.get(peer.attach.remote(name))
         seed, gens = 11, 300
-        stats = peer.read.remote(seed, gens, False)
-        assert ray.get(owner.write.remote(seed, gens, False), timeout=120) == gens
+        stats = peer.read.remote(seed, gens)
+        assert ray.get(owner.write.remote(seed, gens), timeout=120) == gens
         r = ray.get(stats, timeout=120)
         assert r["reads"] >= 200 and r["final"] == gens
         assert r["torn"] == 0 and r["stale"] == 0, r
@@ -79,9 +79,36 @@ def test_gpu_actors_spill_publish_restore_through_ipc_events(ray_cluster, num_gp
             hosts = rng.sample(range(_hammer.NUM_BLOCKS), 8)
             pairs = list(zip(devs, hosts))
             pub = ray.get(owner.spill_and_publish.remote(100 + round_, pairs))
-            assert pub.seq == round_ + 1 and pub.event_handle
+            assert pub == round_ + 1
             assert ray.get(peer.restore_and_check.remote(100 + round_, pairs, pub)) == 0
         assert list_segments(PREFIX) == [name]
+        ray.get(peer.close.remote())
+        ray.get(owner.close.remote())
+        assert list_segments(PREFIX) == []
+    finally:
+        for a in (owner, peer):
+            ray.kill(a)
+
+
+@pytest.mark.gpu
+@pytest.mark.ray
+@pytest.mark.parametrize("num_gpus", [0.5, pytest.param(1, marks=pytest.mark.two_gpus)],
+                         ids=["one-gpu", "gpu-each"])
+def test_gpu_peer_reads_the_rows_rank_0_wrote_in_the_previous_step(ray_cluster, num_gpus):
+    """The step ordering of issue #16 B2: each round rank 0 rewrites the SAME host rows with new
+    bytes, on its copy stream behind a 20 ms kernel, and returns the generation without waiting
+    (as its step report does); the peer's stream waits on that generation's IPC event and reads
+    the rows through UVA. Every round it must see the new bytes, never the last round's."""
+    ray = ray_cluster
+    owner, peer = _actors(ray, 2, num_cpus=0, num_gpus=num_gpus)
+    try:
+        name = ray.get(owner.create.remote("step", PREFIX, True))
+        ray.get(peer.attach.remote(name, True))
+        rows = random.Random(3).sample(range(_hammer.NUM_BLOCKS * _hammer.LAYOUT.page_size), 24)
+        for round_ in range(8):
+            gen = ray.get(owner.backup_step.remote(200 + round_, rows))
+            assert gen == round_ + 1
+            assert ray.get(peer.read_step.remote(200 + round_, rows, gen)) == 0, round_
         ray.get(peer.close.remote())
         ray.get(owner.close.remote())
         assert list_segments(PREFIX) == []

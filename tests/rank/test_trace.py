@@ -14,10 +14,11 @@ import torch
 
 from hisparse_ray.engine import Engine, EngineConfig
 from hisparse_ray.model.model import build_tiny_model
+from hisparse_ray.rank.executor import Row
 from hisparse_ray.rank.trace import (
     POLICIES, SCHEMA, TopkTraceRecorder, replay_hit_rate, replay_policies,
 )
-from hisparse_ray.types import BatchRow, RequestId
+from hisparse_ray.types import RequestId
 
 H = 16  # EngineConfig's default device_buffer_size (top_k 8, page 8)
 KINDS = ["deepseek_v32", "glm_moe_dsa"]
@@ -103,7 +104,7 @@ HAND_EXPECTED = {3: (21, 10), 4: (19, 9), 5: (19, 9)}
 def hand_trace():
     rec = TopkTraceRecorder()
     for step, batch in HAND:
-        rows = [BatchRow(RequestId(rid), n, 0) for rid, n, _ in batch]
+        rows = [Row(RequestId(rid), n, 0, None) for rid, n, _ in batch]
         rec.begin_step(step, rows)
         for layer in (0, 1):
             out = rec.hook(layer, torch.tensor([sel[layer] for _, _, sel in batch]))
@@ -220,7 +221,7 @@ def test_replay_policies_order_hits_at_the_lru_tail():
     steps = {"a": [[10, 11, 12], [12, 10, 13], [20, 21, 13], [12, 13, 20]],
              "b": [[10, 11, 12], [10, 12, 13], [20, 21, 13], [12, 13, 20]]}
     for t in range(4):
-        rec.begin_step(t + 1, [BatchRow(RequestId(r), 100 + t, 0) for r in "ab"])
+        rec.begin_step(t + 1, [Row(RequestId(r), 100 + t, 0, None) for r in "ab"])
         rec.hook(0, torch.tensor([steps["a"][t], steps["b"][t]]))
     got = replay_policies(rec.table(), 4)
     assert {p: (r.selected, r.hits) for p, r in got.items()} == {
@@ -230,7 +231,7 @@ def test_replay_policies_order_hits_at_the_lru_tail():
         "topk": 11, "old": 12, "reverse": 11}
     one = TopkTraceRecorder()
     for t in range(4):
-        one.begin_step(t + 1, [BatchRow(RequestId("a"), 100 + t, 0)])
+        one.begin_step(t + 1, [Row(RequestId("a"), 100 + t, 0, None)])
         one.hook(0, torch.tensor([steps["a"][t]]))
     assert {p: r.hits for p, r in replay_policies(one.table(), 4).items()} == {
         "topk": 5, "old": 6, "reverse": 6}

@@ -1,18 +1,22 @@
-"""The reference worker's content checks are not vacuous: a broken command is caught."""
+"""The reference worker's checks are not vacuous: a broken command is caught (content, request
+handles, hot-buffer diffs, host-pool generations)."""
 
 import random
 
+from msgspec.structs import replace
+
 from hisparse_ray.core import Coordinator, CoordinatorConfig
 from hisparse_ray.testing.reference_worker import ReferenceWorker
-from hisparse_ray.types import StepCommand, TableDiff
+from hisparse_ray.types import RequestHandle, StepCommand, StepReport, TableDiff
 
 
-def _setup():
-    cfg = CoordinatorConfig(num_device_blocks=4, num_host_blocks=4, page_size=2, device_buffer_size=1)
+def _setup(prompt=(1, 2, 0, 1, 2), dev=4, **kw):
+    cfg = CoordinatorConfig(num_device_blocks=dev, num_host_blocks=4, page_size=2,
+                            device_buffer_size=1, **kw)
     c = Coordinator(cfg)
     w = ReferenceWorker(cfg, random.Random(0))
-    w.start("a", [1, 2, 0, 1, 2])
-    adm = c.admit("a", [1, 2, 0, 1, 2], 2)
+    w.start("a", list(prompt))
+    adm = c.admit("a", list(prompt), 3)
     w.land(adm)
     c.apply_landed("a")
     return c, w
@@ -20,21 +24,60 @@ def _setup():
 
 def test_correct_commands_raise_no_violation():
     c, w = _setup()
-    w.execute(c.take_commands())
+    w.execute(c.take_command())
     assert w.violations == [] and w.due[1][0][0] == "a"
 
 
 def test_a_table_pointing_at_the_wrong_block_is_caught():
     c, w = _setup()
-    (cmd,) = c.take_commands()
-    bad = (TableDiff("a", 0, -1, 3),) + cmd.table_diffs[1:]
-    w.execute((StepCommand(cmd.step, cmd.rank, cmd.batch, bad),))
+    cmd = c.take_command()
+    bad = (TableDiff(0, 0, -1, 3),) + cmd.table_diffs[1:]
+    w.execute(replace(cmd, table_diffs=bad))
     assert w.violations == ["step 1 a: position 0 (host -1, device 3) is wrong"]
 
 
-def test_rank_commands_that_differ_are_caught():
-    cfg = CoordinatorConfig(num_device_blocks=4, num_host_blocks=4, page_size=2,
-                            device_buffer_size=1, tp_size=2)
-    w = ReferenceWorker(cfg, random.Random(0))
-    w.execute((StepCommand(1, 0, ()), StepCommand(1, 1, (), released=("x",))))
-    assert w.violations == ["step 1: rank 1 command differs from rank 0"]
+def test_a_handle_used_before_its_definition_or_defined_twice_is_caught():
+    c, w = _setup()
+    cmd = c.take_command()
+    w.execute(replace(cmd, handles=()))
+    assert "step 1: handle 0 used before any command defined it" in w.violations
+    c, w = _setup()
+    cmd = c.take_command()
+    w.execute(cmd)
+    w.execute(StepCommand(2, handles=(RequestHandle(0, "b"),)))
+    assert w.violations == ["step 2: handle 0 defined while it names a"]
+
+
+def test_a_first_row_without_its_hot_buffer_is_caught():
+    c, w = _setup()
+    cmd = c.take_command()
+    w.execute(replace(cmd, batch=(replace(cmd.batch[0], hot_blocks=None),)))
+    assert w.violations == ["step 1: a's first row carries no hot buffer"]
+
+
+def test_a_host_row_read_before_its_generation_reached_the_peers_is_caught():
+    c, w = _setup(prompt=(1, 2, 0), dev=1)  # host tier: every step backs its newest row up
+    cmd = c.take_command()
+    w.execute(cmd)
+    assert w.gen == 1 and w.violations == []
+    for r in range(c.config.tp_size):  # rank 0 reports generation 1: the next command has it
+        rep = w.flush(r)
+        assert rep.published == (1 if r == 0 else 0)
+        c.apply_report(rep)
+    nxt = c.take_command()
+    assert nxt.host_seq == 1
+    w.execute(replace(nxt, host_seq=0))
+    assert any("read with only generation 0 published" in v for v in w.violations), w.violations
+
+
+def test_a_host_seq_never_published_is_caught():
+    c, w = _setup()
+    w.execute(replace(c.take_command(), host_seq=5))
+    assert w.violations == ["step 1: host_seq 5 was never published (0)"]
+
+
+def test_anything_but_one_command_is_caught():
+    _, w = _setup()
+    w.execute((StepCommand(1),))
+    w.execute(StepReport(1, 0))
+    assert len(w.violations) == 2 and all("expected one StepCommand" in v for v in w.violations)
