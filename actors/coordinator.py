@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from hisparse_ray.actors.lander import Lander
-from hisparse_ray.actors.metrics import ReplicaMetrics, replica_snapshot
+from hisparse_ray.actors.metrics import ReplicaMetrics, replica_snapshot, replica_view
 from hisparse_ray.actors.replica_sink import ReplicaSink
 from hisparse_ray.channel.fanout import RankChannels
 from hisparse_ray.core.coordinator import Coordinator
@@ -94,7 +94,7 @@ class ReplicaCoordinator:
         # resolver misses are counted per anchor layer; a shared layer replays its anchor's copies
         self.miss_bytes = spec.layout.bytes_per_token_layer * mcfg.num_hidden_layers / anchors
         model_name = spec.model.kind.rstrip("/").rsplit("/", 1)[-1]  # a folder: its name
-        self.metrics = ReplicaMetrics(model_name, spec.replica_id, lambda: replica_snapshot(self))
+        self.exporter = ReplicaMetrics(model_name, spec.replica_id, lambda: replica_snapshot(self))
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,7 +106,7 @@ class ReplicaCoordinator:
         self.channels.unlink()  # every rank mapped its rings
         self._thread = threading.Thread(target=self._step_loop, name="coordinator-steps", daemon=True)
         self._thread.start()
-        self.metrics.start()
+        self.exporter.start()
 
     def add_prefill(self, prefill: ActorHandle[PrefillWorker], host_landing: str = "auto") -> str:
         """Exchange NIXL agent metadata between ``prefill`` and every rank (both directions) and
@@ -143,7 +143,7 @@ class ReplicaCoordinator:
             lander.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.metrics.stop()
+        self.exporter.stop()
         if self.channels is not None:
             self.channels.close()
 
@@ -188,7 +188,7 @@ class ReplicaCoordinator:
                                     len(prompt) + max_new_tokens, fast.max_context)
             adm = self.core.admit(RequestId(request_id), list(prompt), max_new_tokens, eos_token_id)
             self.records.add(rec)
-            self.metrics.submitted(len(prompt))
+            self.exporter.submitted(len(prompt))
             self._prompts[request_id] = list(prompt)
             if sampling is not None and not sampling.greedy:
                 self._sampling[request_id] = sampling
@@ -375,36 +375,9 @@ class ReplicaCoordinator:
             return out
 
     def metrics(self) -> dict:
-        """Core counters, hot-buffer hits/misses, host pool use, step timings."""
-        with self.lock:
-            c = self.core.counters
-            self.core.check_invariants()
-        looked = self.hot_hits + self.hot_misses
-        # list(deque) copies in C, atomically under the GIL; iterating it here in Python while the
-        # step thread appends raised "deque mutated during iteration" (the serve tests' flake)
-        steps = sorted(dt for _, dt in list(self.channels.log)) if self.channels is not None \
-            else []
-        return {
-            "counters": {k: getattr(c, k) for k in c.__slots__},
-            "hot_hits": self.hot_hits, "hot_misses": self.hot_misses,
-            "hot_hit_rate": (self.hot_hits / looked) if looked else None,
-            "host_pool_blocks": c.host_blocks_total,
-            "host_pool_used_blocks": c.host_blocks_used,
-            "host_pool_cached_blocks": c.host_blocks_cached,
-            "host_pool_bytes": c.host_blocks_total * self.spec.layout.block_bytes,
-            "steps": len(steps),
-            "step_ms_median": steps[len(steps) // 2] * 1e3 if steps else None,
-            "landing_paths": [lander.path for lander in self._landers],
-            "pushes_with_prefill": [lander.pushes_with_prefill for lander in self._landers],
-            # prefill workers retired after a push outlived every deadline (index -> why)
-            "retired_prefill": {i: repr(lander.retired) for i, lander in enumerate(self._landers)
-                                if lander.retired is not None},
-            "staging_blocks": self.staging.capacity if self.staging else 0,
-            "staging_free_blocks": self.staging.num_free if self.staging else 0,
-            "records": len(self.records),  # requests known: in flight, or done and not taken
-            "in_flight": self.records.in_flight,
-            "prometheus": replica_snapshot(self),  # what ReplicaMetrics exports
-        }
+        """Core counters, hot-buffer hits/misses, host pool use, step timings, landings
+        (``actors.metrics.replica_view``)."""
+        return replica_view(self)
 
     def get_step_log(self) -> list[tuple[int, float]]:
         """(step, command-to-last-report seconds) of the recent steps (benchmarks)."""
@@ -466,7 +439,7 @@ class ReplicaCoordinator:
             if rec is None or rec.done:
                 continue
             first = rec.first_token is None
-            self.metrics.token(first, rec.add_token(tok, now))
+            self.exporter.token(first, rec.add_token(tok, now))
             self.records.token_added(rid)
             if tok in rec.stop_ids and not rec.abort_requested and \
                     self.core.view(RequestId(rid)).state is RequestState.RUNNING:
@@ -498,7 +471,7 @@ class ReplicaCoordinator:
         rec.finish_reason = "abort" if rec.abort_requested else \
             "stop" if rec.stopped else view.finish_reason
         rec.finished = time.monotonic()
-        self.metrics.finished(rec.finished - rec.submitted, rec.finish_reason)
+        self.exporter.finished(rec.finished - rec.submitted, rec.finish_reason)
         self._sampling.pop(rid, None)
         self.core.free(RequestId(rid))
         self._prompts.pop(rid, None)

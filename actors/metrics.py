@@ -190,3 +190,37 @@ def replica_snapshot(c: ReplicaCoordinator) -> dict:
             "device_blocks_used": k.device_blocks_used,
             "device_blocks_total": k.device_blocks_total,
         }
+
+
+def replica_view(c: ReplicaCoordinator) -> dict:
+    """``ReplicaCoordinator.metrics()``: core counters (invariants checked), hot-buffer hits and
+    misses, host pool use, step timings, landing paths, retired prefill workers, staging, records
+    and the Prometheus snapshot."""
+    with c.lock:
+        k = c.core.counters
+        c.core.check_invariants()
+    looked = c.hot_hits + c.hot_misses
+    # list(deque) copies in C, atomically under the GIL; iterating it here in Python while the
+    # step thread appends raised "deque mutated during iteration" (the serve tests' flake)
+    steps = sorted(dt for _, dt in list(c.channels.log)) if c.channels is not None else []
+    return {
+        "counters": {n: getattr(k, n) for n in k.__slots__},
+        "hot_hits": c.hot_hits, "hot_misses": c.hot_misses,
+        "hot_hit_rate": (c.hot_hits / looked) if looked else None,
+        "host_pool_blocks": k.host_blocks_total,
+        "host_pool_used_blocks": k.host_blocks_used,
+        "host_pool_cached_blocks": k.host_blocks_cached,
+        "host_pool_bytes": k.host_blocks_total * c.spec.layout.block_bytes,
+        "steps": len(steps),
+        "step_ms_median": steps[len(steps) // 2] * 1e3 if steps else None,
+        "landing_paths": [lander.path for lander in c._landers],
+        "pushes_with_prefill": [lander.pushes_with_prefill for lander in c._landers],
+        # prefill workers retired after a push outlived every deadline (index -> why)
+        "retired_prefill": {i: repr(lander.retired) for i, lander in enumerate(c._landers)
+                            if lander.retired is not None},
+        "staging_blocks": c.staging.capacity if c.staging else 0,
+        "staging_free_blocks": c.staging.num_free if c.staging else 0,
+        "records": len(c.records),  # requests known: in flight, or done and not taken
+        "in_flight": c.records.in_flight,
+        "prometheus": replica_snapshot(c),  # what ReplicaMetrics exports
+    }

@@ -51,7 +51,7 @@ class ReplicaSink:
             rec.landing_bytes, rec.landing_s, rec.landing_path = nbytes, seconds, path
             rec.landing_data_s = data_s
             c.landing_bytes += nbytes
-            c.metrics.landed(nbytes, seconds)
+            c.exporter.landed(nbytes, seconds)
             if rec.abort_requested:  # aborted while landing: finish it before any step
                 c.core.finish(RequestId(request_id))
                 c._collect(request_id)
