@@ -260,8 +260,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"requests": rows, "metrics": metrics}, default=str))
     else:
         for r in rows:
-            text = tok.decode(r["tokens"]) if r["request_id"].startswith("p") else ""
-            print(f"{r['request_id']}: {r['tokens']} {text!r}" if not r["error"]
+            text = f" {tok.decode(r['tokens'])!r}" if tok is not None else ""  # --ids too
+            print(f"{r['request_id']}: {r['tokens']}{text}" if not r["error"]
                   else f"{r['request_id']}: ERROR {r['error']}")
         print_table(rows, metrics)
     return 1 if any(r["error"] for r in rows) else 0
