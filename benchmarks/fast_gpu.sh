@@ -2,7 +2,9 @@
 # The fast decode path on the H200 (device tool), one call each (logs under $OUT):
 #   bash benchmarks/fast_gpu.sh check      # gpu tests of the fast path + a 32K capacity smoke (~6 min)
 #   bash benchmarks/fast_gpu.sh capacity   # bench_capacity.py at 32K / 64K / 128K (< 9 min)
-#   bash benchmarks/fast_gpu.sh actors     # the actor system on the fast step, MoE graphs,
+#   bash benchmarks/fast_gpu.sh actors     # (after gpu_session.sh's ray + nixl calls; carry
+#                                          # .device-wheels/kernels and .device-wheels/wire)
+#                                          # the actor system on the fast step, MoE graphs,
 #                                          # select_topk_fast on CUDA + bench_topk (~6-9 min)
 #   bash benchmarks/fast_gpu.sh final      # < 6.5 min: fast-path + exactness gpu tests, 32K + 128K
 #                                          # capacity (few steps) and a 16K prefill, time-boxed each
@@ -13,6 +15,9 @@ mkdir -p "$OUT"
 WHEELS=${WHEELS:-.device-wheels/kernels}
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda OMP_NUM_THREADS=8
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl
+if [ -d .device-wheels/wire ]; then  # msgspec (the step codec, a main dependency): not on the image
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/wire/*.whl
+fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
   python3 -m pip install --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -5
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

@@ -18,6 +18,9 @@
 #   or, issue #16 B2 + B3 (~3 min; call 2 carries .device-wheels/nixl AND .device-wheels/wire,
 #       msgspec's cp312 wheel): the host-ordering gpu tests, the wire bench, the control plane
 #       and the TP 2 step time:  bash benchmarks/gpu_session.sh b23
+#       (fill it once here: pip download -q 'msgspec>=0.19' --no-deps --only-binary :all:
+#        --python-version 3.12 --platform manylinux2014_x86_64 -d .device-wheels/wire; msgspec is
+#        a main dependency since #16 B3: every actor run on the H200 needs it, fast_gpu.sh actors too)
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
