@@ -4,36 +4,9 @@ the state machine's teardown) and tests/engine/test_pool_pressure.py (exact toke
 
 import pytest
 
-from hisparse_ray.core import Coordinator, CoordinatorConfig
 from hisparse_ray.errors import CapacityError
 from hisparse_ray.types import LandingTarget as T, RequestState as S, StepReport
-
-
-def make(dev, host, ps=2, H=1, tp=1):
-    return Coordinator(CoordinatorConfig(num_device_blocks=dev, num_host_blocks=host, page_size=ps,
-                                         device_buffer_size=H, tp_size=tp, max_batch=8))
-
-
-def take(c):
-    """The next command (or None), with the handles it defines and releases applied to
-    ``c.test_names`` (handle -> request id, as a rank keeps them)."""
-    cmd = c.take_command()
-    names = c.__dict__.setdefault("test_names", {})
-    if cmd is not None:
-        for h in cmd.released:
-            del names[h]
-        for d in cmd.handles:
-            names[d.handle] = d.request_id
-    return cmd
-
-
-def ack(c, cmd, sample=1):
-    """Every rank acks every transfer of ``cmd`` completed; rank 0 samples ``sample`` for every
-    row."""
-    ids = tuple(t.transfer_id for t in cmd.transfers) + tuple(b.transfer_id for b in cmd.backups)
-    for rank in range(c.config.tp_size):
-        sampled = tuple((c.test_names[row.handle], sample) for row in cmd.batch) if rank == 0 else ()
-        c.apply_report(StepReport(cmd.step, rank, completed=ids, sampled=sampled))
+from tests.core._steps import ack, make, take
 
 
 def step(c, sample=1):
@@ -42,7 +15,7 @@ def step(c, sample=1):
         c.apply_landed(adm.request_id)
     cmd = take(c)
     if cmd is not None:
-        ack(c, cmd, sample)
+        ack(c, cmd, sample=sample)
     c.check_invariants()
     return cmd is not None
 
@@ -116,7 +89,7 @@ def test_stalled_request_claims_a_device_block_ahead_of_admissions():
         assert cmd is not None
         if c.counters.stalls:
             break
-        ack(c, cmd)
+        ack(c, cmd, sample=1)
     # p stalled first and spills itself; q stalled while that conversion is in flight
     assert cmd.batch == () and len(cmd.transfers) == 4 and c.counters.stalls == 2
     assert c._requests["q"].stalled and c._room().claims == 1
