@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -20,13 +21,28 @@ def _actors(ray, n, **opts):
     return [Actor.remote() for _ in range(n)]
 
 
+@contextmanager
+def _shared_pool(ray, label, cuda=False, **opts):
+    """Two rank actors on one host pool segment (the owner creates it, the peer maps it):
+    yields (owner, peer, segment name); on a clean exit both close it and no segment remains;
+    the actors are killed either way."""
+    owner, peer = _actors(ray, 2, num_cpus=0, **opts)
+    try:
+        name = ray.get(owner.create.remote(label, PREFIX, cuda))
+        ray.get(peer.attach.remote(name, cuda))
+        yield owner, peer, name
+        ray.get(peer.close.remote())
+        ray.get(owner.close.remote())
+        assert list_segments(PREFIX) == []
+    finally:
+        for a in (owner, peer):
+            ray.kill(a)
+
+
 @pytest.mark.ray
 def test_ray_actors_hammer_shared_pool(ray_cluster):
     ray = ray_cluster
-    owner, peer = _actors(ray, 2, num_cpus=0)
-    try:
-        name = ray.get(owner.create.remote("ray", PREFIX))
-        ray.get(peer.attach.remote(name))
+    with _shared_pool(ray, "ray") as (owner, peer, name):
         seed, gens = 11, 300
         stats = peer.read.remote(seed, gens)
         assert ray.get(owner.write.remote(seed, gens), timeout=120) == gens
@@ -34,12 +50,6 @@ def test_ray_actors_hammer_shared_pool(ray_cluster):
         assert r["reads"] >= 200 and r["final"] == gens
         assert r["torn"] == 0 and r["stale"] == 0, r
         assert list_segments(PREFIX) == [name]  # one segment for both ranks
-        ray.get(peer.close.remote())
-        ray.get(owner.close.remote())
-        assert list_segments(PREFIX) == []
-    finally:
-        for a in (owner, peer):
-            ray.kill(a)
 
 
 @pytest.mark.ray
@@ -67,13 +77,10 @@ def test_gpu_actors_spill_publish_restore_through_ipc_events(ray_cluster, num_gp
     ``gpu-each``: the peer's stream is on another GPU than the event (Ray shows each actor only
     its own GPU) and both GPUs map the one pinned pool."""
     ray = ray_cluster
-    owner, peer = _actors(ray, 2, num_cpus=0, num_gpus=num_gpus)
     rng = random.Random(5)
-    try:
+    with _shared_pool(ray, "gpu", True, num_gpus=num_gpus) as (owner, peer, name):
         gpus = ray.get([owner.gpu.remote(), peer.gpu.remote()])
         assert (gpus[0] != gpus[1]) == (num_gpus == 1), gpus
-        name = ray.get(owner.create.remote("gpu", PREFIX, True))
-        ray.get(peer.attach.remote(name, True))
         for round_ in range(6):
             devs = rng.sample(range(_hammer.NUM_BLOCKS), 8)
             hosts = rng.sample(range(_hammer.NUM_BLOCKS), 8)
@@ -82,12 +89,6 @@ def test_gpu_actors_spill_publish_restore_through_ipc_events(ray_cluster, num_gp
             assert pub == round_ + 1
             assert ray.get(peer.restore_and_check.remote(100 + round_, pairs, pub)) == 0
         assert list_segments(PREFIX) == [name]
-        ray.get(peer.close.remote())
-        ray.get(owner.close.remote())
-        assert list_segments(PREFIX) == []
-    finally:
-        for a in (owner, peer):
-            ray.kill(a)
 
 
 @pytest.mark.gpu
@@ -100,18 +101,9 @@ def test_gpu_peer_reads_the_rows_rank_0_wrote_in_the_previous_step(ray_cluster, 
     (as its step report does); the peer's stream waits on that generation's IPC event and reads
     the rows through UVA. Every round it must see the new bytes, never the last round's."""
     ray = ray_cluster
-    owner, peer = _actors(ray, 2, num_cpus=0, num_gpus=num_gpus)
-    try:
-        name = ray.get(owner.create.remote("step", PREFIX, True))
-        ray.get(peer.attach.remote(name, True))
+    with _shared_pool(ray, "step", True, num_gpus=num_gpus) as (owner, peer, _):
         rows = random.Random(3).sample(range(_hammer.NUM_BLOCKS * _hammer.LAYOUT.page_size), 24)
         for round_ in range(8):
             gen = ray.get(owner.backup_step.remote(200 + round_, rows))
             assert gen == round_ + 1
             assert ray.get(peer.read_step.remote(200 + round_, rows, gen)) == 0, round_
-        ray.get(peer.close.remote())
-        ray.get(owner.close.remote())
-        assert list_segments(PREFIX) == []
-    finally:
-        for a in (owner, peer):
-            ray.kill(a)
