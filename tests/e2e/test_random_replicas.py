@@ -10,12 +10,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import ray
 
 from hisparse_ray.actors import launch
+from hisparse_ray.cli import reference_tokens, run_requests
 from hisparse_ray.config import HiSparseConfig
 from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
-from hisparse_ray.testing.full_resident import full_resident_tokens
 
 pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
 
@@ -43,13 +42,11 @@ def _deployment(seed: int):
 @pytest.mark.parametrize("seed", [2, 11, 17])  # TP 2 page 4; TP 2 GLM page 16; TP 2 GLM, 5 prompts
 def test_random_deployment_equals_full_resident(ray_cluster, seed):
     spec, prompts, max_new = _deployment(seed)
+    requests = list(prompts.items())
     replica = launch.launch_deployment(spec, PrefillSpec(model=spec.model, max_prompt_tokens=512))
     try:
-        for rid, prompt in prompts.items():
-            ray.get(replica.coordinator.submit.remote(rid, prompt, max_new))
-        results = ray.get(replica.coordinator.wait.remote(list(prompts), 300))
+        results = run_requests(replica, requests, max_new, show_progress=False, timeout_s=300)
     finally:
         replica.shutdown()
-    expected = full_resident_tokens(spec.model, list(prompts.values()), max_new, list(prompts),
-                                    page_size=spec.page_size)
+    expected = reference_tokens(spec, requests, max_new)  # configured like the replica
     assert {r["request_id"]: r["tokens"] for r in results} == expected, spec
