@@ -107,9 +107,7 @@ class Checkpoint:
         try:
             self.config: DSAConfig = config_from_hf(self.hf_config)
             self.fp8: Fp8Format | None = parse_quantization(self.hf_config.get("quantization_config"))
-        except KeyError as err:
-            raise CheckpointError("config.json", str(err.args[0]), "required key missing") from None
-        except ConfigError as err:
+        except ConfigError as err:  # config_from_hf / parse_quantization name the key
             if err.value is None:  # a required key the folder's config.json does not have
                 raise CheckpointError("config.json", err.key, "required key missing") from None
             raise CheckpointError("config.json", err.key, f"{err.value!r}: {err.allowed}") from None
