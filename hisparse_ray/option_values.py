@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from hisparse_ray.checks import is_int, is_number
 from hisparse_ray.config import HiSparseConfig
 from hisparse_ray.errors import ConfigError
 
@@ -23,16 +24,16 @@ def check_kind(key: str, value: Any, meta: Mapping[str, Any]) -> None:
         ok = isinstance(value, HiSparseConfig)
     elif kind == "dict?":
         ok = value is None or (isinstance(value, dict) and all(
-            isinstance(k, str) and number(x) and math.isfinite(x) and x > 0
+            isinstance(k, str) and is_number(x) and math.isfinite(x) and x > 0
             for k, x in value.items()))
     elif kind == "json?":
         ok = value is None or (isinstance(value, dict) and all(isinstance(k, str) for k in value))
     elif kind == "float?":
-        ok = value is None or number(value)
+        ok = value is None or is_number(value)
     elif kind == "float":
-        ok = number(value)
+        ok = is_number(value)
     elif kind == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = is_int(value)
     else:
         ok = isinstance(value, str)
     if not ok:
@@ -43,11 +44,6 @@ def check_kind(key: str, value: Any, meta: Mapping[str, Any]) -> None:
                                        "name -> amount > 0"}[kind])
     if choices and value not in choices:
         raise ConfigError(key, value, f"one of {', '.join(choices)}")
-
-
-def number(x: Any) -> bool:
-    """An int or float that is not a bool."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def parse_value(key: str, value: Any, kind: str) -> Any:
