@@ -24,9 +24,8 @@ import torch
 from torch import Tensor
 
 from hisparse_ray.errors import KernelPreconditionError
+from hisparse_ray.kernels.kvfp8 import FP8, FP8_MAX, fp8_scale
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 GROUP = 128
 MASKED_ALIGN = 128  # rows a masked-layout group is padded to (whole output tiles)
 
@@ -108,7 +107,7 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
 def _quantize_torch(x: Tensor) -> tuple[Tensor, Tensor]:
     *lead, k = x.shape
     g = x.float().view(*lead, k // GROUP, GROUP)
-    xs = g.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    xs = fp8_scale(g.abs().amax(dim=-1).clamp(min=1e-10))
     xq = (g / xs[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return xq.view(*lead, k), xs
 

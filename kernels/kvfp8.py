@@ -37,6 +37,15 @@ _TINY = torch.finfo(torch.float32).tiny
 KV_DTYPES = KV_CACHE_DTYPES
 
 
+def fp8_scale(amax: Tensor) -> Tensor:
+    """``amax / 448``, the e4m3 scale of a group whose largest magnitude is ``amax``, by true
+    division on every device: CUDA computes ``tensor / python_scalar`` as a multiply by the
+    rounded reciprocal (CPU divides), which changed some scales' last bit between CPU and GPU
+    encodes. Every fp8 quantizer of the project (KV rows, index keys, weights, the activations'
+    torch twin) takes its scales from here."""
+    return amax / amax.new_full((), FP8_MAX)
+
+
 def quantize_fp8(x: Tensor, tile: int) -> tuple[Tensor, Tensor]:
     """``x [..., n]`` float -> ``(q [..., n] float8_e4m3fn, scales [..., ceil(n / tile)] fp32)``:
     per tile of ``tile`` values, ``scale = max(amax / 448, fp32 tiny)``, ``q = x / scale``. The last
@@ -47,9 +56,7 @@ def quantize_fp8(x: Tensor, tile: int) -> tuple[Tensor, Tensor]:
     if tiles * tile != n:
         xf = torch.nn.functional.pad(xf, (0, tiles * tile - n))
     xt = xf.unflatten(-1, (tiles, tile))
-    # a tensor divisor: CUDA computes ``tensor / python_scalar`` as a multiply by the rounded
-    # reciprocal (CPU divides), which changed some scales' last bit between CPU and GPU encodes
-    scale = (xt.abs().amax(-1) / xt.new_full((), FP8_MAX)).clamp_min(_TINY)
+    scale = fp8_scale(xt.abs().amax(-1)).clamp_min(_TINY)
     q = (xt / scale[..., None]).to(FP8).flatten(-2)[..., :n]
     return q, scale
 

@@ -23,9 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from hisparse_ray.errors import ConfigError
+from hisparse_ray.kernels.kvfp8 import FP8, FP8_MAX, fp8_scale
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 BLOCK = (128, 128)
 
 
@@ -114,7 +113,7 @@ def quantize(w: Tensor, block: tuple[int, int] = BLOCK, *, ue8m0: bool = True) -
     padded[..., :n, :k] = w.float()
     blocks = padded.view(*lead, pn // bm, bm, pk // bn, bn)
     amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)
-    scale = amax / amax.new_full((), FP8_MAX)  # true division on every device (kvfp8.quantize_fp8)
+    scale = fp8_scale(amax)
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
