@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from hisparse_ray.config import HiSparseConfig  # noqa: E402
+from hisparse_ray.config import HiSparseConfig, hot_buffer_blocks  # noqa: E402
 from hisparse_ray.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_ray.model.model import build_tiny_model  # noqa: E402
 
@@ -65,7 +65,7 @@ def main() -> int:
     hs = HiSparseConfig(top_k=8, device_buffer_size=32, host_to_device_ratio=4,
                         swap_in_block_size=256, host_pool_gib=0.5)
     page = 16
-    hot_blocks = -(-(hs.device_buffer_size + 1) // page)
+    hot_blocks = hot_buffer_blocks(hs.device_buffer_size, page)
     rows = []
     print(f"device={args.device} dtype={dtype} model=tiny deepseek_v32 H={hs.device_buffer_size} "
           f"top_k={hs.top_k} page={page}")

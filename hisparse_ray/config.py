@@ -36,6 +36,12 @@ KV_CACHE_DTYPES = ("fp32", "bf16", "fp8")
 FP8_TILE = 128  # latent values per fp8 scale (DeepSeek-V3.2's row layout)
 
 
+def hot_buffer_blocks(device_buffer_size: int, page_size: int) -> int:
+    """Device blocks of one request's hot buffer: ``device_buffer_size`` hot slots plus the slot
+    reserved for the newest token, in pages of ``page_size`` rows."""
+    return -(-(device_buffer_size + 1) // page_size)
+
+
 def kv_row_bytes(kind: str, kv_lora_rank: int, rope_dim: int) -> int:
     """Bytes of one token's MLA row (``kv_lora_rank`` latent + ``rope_dim`` rope values) stored as
     ``kind``: fp32 / bf16 values, or fp8 (e4m3 latent, one fp32 scale per 128 latent values, bf16
@@ -292,7 +298,7 @@ class CoordinatorConfig:
     @property
     def hot_blocks_per_request(self) -> int:
         """Device blocks of one hot buffer: H hot slots + 1 reserved newest-token slot."""
-        return -(-(self.device_buffer_size + 1) // self.page_size)
+        return hot_buffer_blocks(self.device_buffer_size, self.page_size)
 
     def pages_for(self, num_positions: int) -> int:
         return -(-num_positions // self.page_size)

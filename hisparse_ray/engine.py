@@ -21,7 +21,7 @@ import torch
 from hisparse_ray.checks import (
     check_bool, check_choice, check_int, check_optional_number, check_type,
 )
-from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout, hot_buffer_blocks
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import (
     CapacityError, ConfigError, DuplicateRequestError, InvalidRequestError, StateError,
@@ -82,7 +82,7 @@ class EngineConfig:
         check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_DTYPES))
         check_optional_number("device_pool_gib", self.device_pool_gib, lo=0, lo_open=True,
                               why="GiB")
-        hot = -(-(self.hisparse.device_buffer_size + 1) // self.page_size)
+        hot = self.hot_blocks
         if not self.full_resident and self.device_pool_gib is None and \
                 self.num_device_blocks < hot:
             raise ConfigError("num_device_blocks", self.num_device_blocks,
@@ -97,6 +97,11 @@ class EngineConfig:
     def codec(self, model_cfg: Any, dtype: torch.dtype):
         """The KV row codec of ``kv_cache_dtype`` for this model."""
         return row_codec(self.kv_cache_dtype, model_cfg, dtype)
+
+    @property
+    def hot_blocks(self) -> int:
+        """Device blocks of one request's hot buffer (``config.hot_buffer_blocks``)."""
+        return hot_buffer_blocks(self.hisparse.device_buffer_size, self.page_size)
 
     def layout(self, model_cfg: Any, dtype: torch.dtype) -> KVLayout:
         return KVLayout(num_layers=model_cfg.num_hidden_layers, page_size=self.page_size,
@@ -126,7 +131,7 @@ class Engine:
         if num_host < 1:
             raise ConfigError("host_pool_gib", c.hisparse.host_pool_gib,
                               f"must hold at least one host block ({self.layout.block_bytes} B)")
-        hot_blocks = -(-(c.hisparse.device_buffer_size + 1) // c.page_size)
+        hot_blocks = c.hot_blocks
         num_device = c.num_device_blocks
         if c.device_pool_gib is not None:
             num_device = int(c.device_pool_gib * (1 << 30)) // self.layout.block_bytes

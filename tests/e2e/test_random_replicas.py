@@ -13,7 +13,7 @@ import pytest
 
 from hisparse_ray.actors import launch
 from hisparse_ray.cli import reference_tokens, run_requests
-from hisparse_ray.config import HiSparseConfig
+from hisparse_ray.config import HiSparseConfig, hot_buffer_blocks
 from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
 
 pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
@@ -26,7 +26,7 @@ def _deployment(seed: int):
                         swap_in_block_size=64, host_pool_gib=0.005)
     spec = ReplicaSpec(model=ModelSpec(kind=r.choice(["deepseek_v32", "glm_moe_dsa"]), seed=seed),
                        hisparse=hs, tp_size=r.choice([1, 2]), page_size=page,
-                       num_device_blocks=max(-(-hot // page) + 1, r.choice([3, 6, 12])),
+                       num_device_blocks=max(hot_buffer_blocks(hot, page), r.choice([3, 6, 12])),
                        max_batch=r.choice([2, 4, 8]))
     prompts: dict[str, list[int]] = {}
     for q in range(r.randint(1, 5)):

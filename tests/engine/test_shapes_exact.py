@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from hisparse_ray.config import HiSparseConfig
+from hisparse_ray.config import HiSparseConfig, hot_buffer_blocks
 from hisparse_ray.engine import Engine, EngineConfig
 from hisparse_ray.model.config import tiny_config
 from hisparse_ray.model.model import build_random_model
@@ -43,8 +43,7 @@ def _case(seed: int):
             prompt = [r.randrange(96) for _ in range(r.randint(1, 150))]
         requests.append((f"r{q}", prompt, r.randint(1, 12)))
     blocks = r.choice([None, 3, 6, 12, 40])
-    hot_blocks = -(-hot // page) + 1  # EngineConfig's floor: one hot buffer and a block more
-    extra = {} if blocks is None else {"num_device_blocks": max(blocks, hot_blocks)}
+    extra = {} if blocks is None else {"num_device_blocks": max(blocks, hot_buffer_blocks(hot, page))}
     return cfg, EngineConfig(hisparse=hs, page_size=page, **extra), requests
 
 
