@@ -28,7 +28,8 @@ from typing import Any, NewType
 
 import msgspec
 
-from hisparse_ray.errors import ConfigError, TransferError
+from hisparse_ray.checks import check_int, check_number
+from hisparse_ray.errors import TransferError
 
 RequestId = NewType("RequestId", str)
 HostBlockId = NewType("HostBlockId", int)
@@ -164,17 +165,10 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        def number(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
-
-        if not number(self.temperature) or not 0.0 <= self.temperature < float("inf"):
-            raise ConfigError("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
-        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ConfigError("top_p", self.top_p, "a number in (0, 1] (1 = no nucleus cut)")
-        for key, hi in (("top_k", 1 << 31), ("seed", 1 << 63)):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < hi:
-                raise ConfigError(key, v, f"an int in [0, {hi})")
+        check_number("temperature", self.temperature, lo=0, why="0 = greedy")
+        check_number("top_p", self.top_p, lo=0, lo_open=True, hi=1, why="1 = no nucleus cut")
+        check_int("top_k", self.top_k, lo=0, hi=(1 << 31) - 1, why="0 = every token")
+        check_int("seed", self.seed, lo=0, hi=(1 << 63) - 1)
 
     @property
     def greedy(self) -> bool:
