@@ -6,15 +6,24 @@
 #                                          # .device-wheels/kernels and .device-wheels/wire)
 #                                          # the actor system on the fast step, MoE graphs,
 #                                          # select_topk_fast on CUDA + bench_topk (~6-9 min)
+#   bash benchmarks/fast_gpu.sh big        # < 9 min: where the batch-1 step's time goes
+#                                          # (profile_step.py), 64K capacity, 16K/64K/128K prefill
 #   bash benchmarks/fast_gpu.sh final      # < 6.5 min: fast-path + exactness gpu tests, 32K + 128K
 #                                          # capacity (few steps) and a 16K prefill, time-boxed each
 # Carry .device-wheels/kernels (sglang-kernel 0.4.6, sgl-deep-gemm, apache-tvm-ffi).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+bundle() {  # the device tool brings back at most 8 files: everything goes back as one archive
+  (cd "$OUT" && ls | grep -q . && tar czf /tmp/logs.tgz --exclude=logs.tgz . && rm -rf ./* \
+    && mv /tmp/logs.tgz logs.tgz) || true
+}
+trap bundle EXIT
 WHEELS=${WHEELS:-.device-wheels/kernels}
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 CUDA_HOME=/usr/local/cuda OMP_NUM_THREADS=8
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl
+if [ -d "$WHEELS" ]; then  # a later call on a warm machine may carry nothing: /tmp/site has it
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl
+fi
 if [ -d .device-wheels/wire ]; then  # msgspec (the step codec, a main dependency): not on the image
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/wire/*.whl
 fi
@@ -59,6 +68,19 @@ case "${1:-check}" in
       > "$OUT/prefill.log" 2>&1
     echo "prefill rc=$?"
     tail -8 "$OUT/prefill.log"
+    ;;
+  big)
+    timeout 150 python3 benchmarks/profile_step.py --context 32768 --out "$OUT" > "$OUT/profile_step.log" 2>&1
+    echo "profile rc=$?"
+    grep -v -E "^USDT|profiler_st" "$OUT/profile_step.log" | tail -50
+    timeout 150 python3 benchmarks/bench_capacity.py --contexts 65536 --steps 3 --warm 2 \
+      --out "$OUT" > "$OUT/capacity_64k.log" 2>&1
+    echo "capacity rc=$?"
+    grep -E "^\[|^ *[0-9]+ " "$OUT/capacity_64k.log" | tail -22
+    timeout 200 python3 benchmarks/bench_prefill.py --lengths 16384 65536 131072 \
+      --out "$OUT/prefill_long.json" > "$OUT/prefill_long.log" 2>&1
+    echo "prefill rc=$?"
+    tail -8 "$OUT/prefill_long.log"
     ;;
   capacity)
     timeout 520 python3 benchmarks/bench_capacity.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/capacity.log" | \

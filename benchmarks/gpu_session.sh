@@ -15,6 +15,9 @@
 #   or, 16K landings with push-with-prefill never / always / auto:  ... landing-pwp
 #   or, every gpu test and the control plane once more:  ... final
 #   or, the actor-system gpu tests, the channel tests and the control plane (~4 min):  ... check
+#   or, issue #18 on the H200 (~8 min; call 2 carries .device-wheels/nixl AND .device-wheels/serve):
+#       the Serve tests, then client-side TTFT / ITL through the OpenAI endpoint vs the replica:
+#       bash benchmarks/gpu_session.sh serve
 #   or, issue #16 B2 + B3 (~3 min; call 2 carries .device-wheels/nixl AND .device-wheels/wire,
 #       msgspec's cp312 wheel): the host-ordering gpu tests, the wire bench, the control plane
 #       and the TP 2 step time:  bash benchmarks/gpu_session.sh b23
@@ -25,13 +28,18 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+bundle() {  # the device tool brings back at most 8 files: everything goes back as one archive
+  (cd "$OUT" && ls | grep -q . && tar czf /tmp/logs.tgz --exclude=logs.tgz . && rm -rf ./* \
+    && mv /tmp/logs.tgz logs.tgz) || true
+}
+trap bundle EXIT
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 case "${1:-run}" in
   ray)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|b23|landing-auto|landing-pwp|final|check)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|b23|landing-auto|landing-pwp|final|check|serve)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -39,6 +47,9 @@ case "${1:-run}" in
     fi
     if [ -d .device-wheels/wire ]; then  # msgspec (the step codec): not on the image
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/wire/*.whl
+    fi
+    if [ -d .device-wheels/serve ]; then  # Ray Serve's HTTP stack, openai, msgspec
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/serve/*.whl
     fi
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || \
       python3 -m pip install --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -5
@@ -121,6 +132,20 @@ case "${1:-run}" in
         timeout 300 python3 benchmarks/bench_tp.py --model landing --requests 8 --context 8192 \
           --new-tokens 32 --out "$OUT/tp_landing.json" > "$OUT/tp_landing.log" 2>&1
         grep -E "$keep|^tp|^layout|up in|^decode" "$OUT/tp_landing.log" | tail -10
+        exit 0 ;;
+      serve)  # ~8 min: issue #18's Serve tests on the H200, then TTFT / ITL (OpenAI client vs replica)
+        # -v: each outcome as it happens; a hang dumps every thread's stack after 150 s
+        timeout 360 python3 -m pytest -v -p no:cacheprovider -rA --tb=short --durations=12 \
+          -o faulthandler_timeout=150 tests/serve tests/e2e/test_serve.py \
+          tests/e2e/test_serve_replicas.py tests/e2e/test_serve_cli.py > "$OUT/serve_tests.log" 2>&1
+        echo "serve pytest rc=$?"
+        grep -E "(PASSED|FAILED|ERROR)( |$)|passed|failed|[0-9.]+s (call|setup)" "$OUT/serve_tests.log" \
+          | grep -v "^tests/serve" | cut -c1-160 | tail -40
+        cp -r /tmp/ray/session_latest/logs/serve "$OUT/serve_logs" 2>/dev/null
+        timeout 110 python3 benchmarks/bench_serve.py --device gpu --requests 8 --context 120 \
+          --new-tokens 32 --rounds 2 --out "$OUT/serve_gpu.json" > "$OUT/serve_bench.log" 2>&1
+        echo "bench_serve rc=$?"
+        grep -v -E "NIXL INFO|WARNING|INFO " "$OUT/serve_bench.log" | tail -14
         exit 0 ;;
       b23)  # ~3 min: issue #16 B2 (rank 0's events order the peers) and B3 (one wire)
         timeout 85 python3 -m pytest -q -p no:cacheprovider -m "gpu and not two_gpus" \

@@ -61,7 +61,7 @@ def main(max_new_tokens: int = 6, out_dir: str | None = None) -> None:
             ray.shutdown()
 
     rows = pq.read_table(out_dir).to_pylist()
-    model = DeployOptions.from_dict(OPTIONS).specs(0)[0].model
+    model = DeployOptions.from_dict(OPTIONS).host_specs()[0].model
     expected = full_resident_tokens(model, prompts, max_new_tokens)
     for r in sorted(rows, key=lambda r: r["prompt_id"]):
         print(f"prompt {r['prompt_id']}: {len(prompts[r['prompt_id']])} tokens -> "

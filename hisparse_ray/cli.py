@@ -86,7 +86,7 @@ def deployment(args: argparse.Namespace, replicas: int = 1, out=None):
     ``host_pool_dir`` and memory). Prints the pools' sizes (to ``out``, default stdout).
     Returns (options, replica spec, prefill spec)."""
     opts = options(args)
-    check_host_fits(opts.specs(gpus=0)[0], replicas)  # sizes before torch looks for GPUs
+    check_host_fits(opts.host_specs()[0], replicas)  # sizes before torch looks for GPUs
     replica_spec, prefill_spec = opts.specs()
     print(pool_summary(replica_spec) + (f", x{replicas} replicas" if replicas > 1 else ""),
           file=out or sys.stdout, flush=True)

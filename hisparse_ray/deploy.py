@@ -188,7 +188,7 @@ class DeployOptions:
         if self.max_new_tokens > self.max_new_tokens_limit:
             raise ConfigError("max_new_tokens", self.max_new_tokens,
                               f"<= max_new_tokens_limit ({self.max_new_tokens_limit})")
-        self._specs(0.0)  # every spec rule and the pool sizing, device aside
+        self.host_specs()  # every spec rule and the pool sizing, device aside
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "DeployOptions":
@@ -215,6 +215,13 @@ class DeployOptions:
         if self.device == "gpu" and gpus == 0:
             raise ConfigError("device", self.device, "needs a visible CUDA device; none is visible")
         return self._specs(resolve_gpus_per_rank(self.gpus_per_rank, self.tp, gpus))
+
+    def host_specs(self) -> tuple["ReplicaSpec", "PrefillSpec"]:
+        """The specs with no GPU resolved (``gpus_per_rank`` 0), whatever ``device`` says: what
+        code that places no rank reads (the model, its tokenizer, the limits, the host pool's
+        size) in a process that may see no GPU: the OpenAI ingress, the CLI before it looks for
+        GPUs. ``specs`` of ``device="gpu"`` with no GPU visible raises instead."""
+        return self._specs(0.0)
 
     def _specs(self, gpus_per_rank: float) -> tuple["ReplicaSpec", "PrefillSpec"]:
         """The specs; a spec's ConfigError is re-raised under the option's name (``tp`` for

@@ -103,6 +103,8 @@ def test_gpus_per_rank_default_follows_the_gpu_count_and_bad_values_name_the_opt
         DeployOptions(gpus_per_rank=0.0)
     with pytest.raises(ConfigError, match="device='gpu': needs a visible CUDA device"):
         DeployOptions(device="gpu").specs(gpus=0)
+    gpu_anywhere = DeployOptions(device="gpu").host_specs()[0]  # no GPU resolved: ingress, CLI sizing
+    assert gpu_anywhere.gpus_per_rank == 0.0 and gpu_anywhere.model == DeployOptions().specs(gpus=0)[0].model
     assert DeployOptions(device="cpu").specs(gpus=4)[0].gpus_per_rank == 0.0
     assert DeployOptions().specs(gpus=2)[0].gpus_per_rank == 1.0
 

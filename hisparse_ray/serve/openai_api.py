@@ -65,7 +65,7 @@ class OpenAIServer:
     id, API key, limits)."""
 
     def __init__(self, engine: Any, options: DeployOptions) -> None:
-        replica_spec, prefill_spec = options.specs(0)
+        replica_spec, prefill_spec = options.host_specs()
         self.engine = engine
         self.options = options
         self.model_id = P.model_id(options)

@@ -27,7 +27,11 @@ openai = pytest.importorskip("openai")
 
 KEY = "test-key"
 MODEL = "hisparse-deepseek_v32"
-OPTIONS = {"tp": 2, "device_blocks": 12, "max_new_tokens": 6, "max_new_tokens_limit": 1000,
+# LONG new tokens: a request the test cancels, times out or breaks must still be decoding when
+# it acts, whatever the step time (900 tokens left a GPU's fast tiny steps room to finish
+# inside the 2 s timeout below)
+LONG = 5000  # fits the tiny host pool (0.01 GiB: ~1700 pages of 8) with room for the rest
+OPTIONS = {"tp": 2, "device_blocks": 12, "max_new_tokens": 6, "max_new_tokens_limit": LONG,
            "health_check_period_s": 2, "api_key": KEY, "max_request_bytes": 1 << 16,
            "max_prompt_tokens": 1024, "max_ongoing_requests": 6, "max_queued_requests": 10}
 
@@ -214,8 +218,8 @@ BAD = [  # (method, path, body, status, param or message fragment): docs/archite
         {"role": "user", "content": "a\udfffb"}]}, 400, "Unicode"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400,
      "max_tokens"),
-    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400,
-     "max_new_tokens=5000"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": LONG + 1}, 400,
+     f"max_new_tokens={LONG + 1}"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400,
      "stop token id -1"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [96]}, 400,
@@ -275,7 +279,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(app):
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", "/v1/completions", json.dumps(
-        {"model": MODEL, "prompt": [rng.randrange(1, 96) for _ in range(150)], "max_tokens": 900,
+        {"model": MODEL, "prompt": [rng.randrange(1, 96) for _ in range(150)], "max_tokens": LONG,
          "temperature": 0, "stream": True}),
         {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -378,7 +382,7 @@ def test_cancelled_and_timed_out_handle_requests_release_every_block(app):
     coord = handle.coordinator.remote().result()
     rng = random.Random(3)
     long_prompt = [rng.randrange(1, 96) for _ in range(150)]  # host landing
-    resp = handle.generate.remote(ids=long_prompt, max_new_tokens=900)
+    resp = handle.generate.remote(ids=long_prompt, max_new_tokens=LONG)
     end = time.monotonic() + 120
     while not any(n > 0 for n, _, _ in ray.get(coord.progress.remote()).values()):
         assert time.monotonic() < end, "the request never started decoding"
@@ -390,7 +394,7 @@ def test_cancelled_and_timed_out_handle_requests_release_every_block(app):
         resp.result(timeout_s=60)
     _settled(handle)
     with pytest.raises(TimeoutError, match="aborted"):
-        handle.generate.remote(ids=long_prompt, max_new_tokens=900, timeout_s=2.0).result()
+        handle.generate.remote(ids=long_prompt, max_new_tokens=LONG, timeout_s=2.0).result()
     _settled(handle)
     out = handle.generate.remote(ids=long_prompt, max_new_tokens=4).result(timeout_s=300)
     assert out["tokens"] == _expected([long_prompt], 4)[0]
@@ -508,7 +512,7 @@ def test_a_lost_rank_fails_its_requests_and_serve_replaces_the_replica(app):
     old = handle.actors.remote().result()
     rng = random.Random(5)
     prompt = [rng.randrange(1, 96) for _ in range(150)]
-    resp = handle.generate.remote(ids=prompt, max_new_tokens=900)
+    resp = handle.generate.remote(ids=prompt, max_new_tokens=LONG)
     end = time.monotonic() + 120
     while not any(n > 0 for n, _, _ in ray.get(old["coordinator"].progress.remote()).values()):
         assert time.monotonic() < end, "the request never started decoding"

@@ -20,7 +20,9 @@ def test_two_serve_replicas_each_own_a_deployment_and_both_serve_exactly(ray_clu
     from hisparse_ray.serve import build_engine_app
     from hisparse_ray.testing.full_resident import full_resident_tokens
 
-    options = {"tp": 1, "device_blocks": 12, "num_replicas": 2}
+    # half a GPU per rank: on a one-GPU node both replicas' ranks fit (at 1.0 the second replica's
+    # rank waited for a GPU forever); without GPUs the share is 0 anyway
+    options = {"tp": 1, "device_blocks": 12, "num_replicas": 2, "gpus_per_rank": 0.5}
     serve.start(proxy_location="Disabled",
                 logging_config={"log_level": "WARNING"})
     try:

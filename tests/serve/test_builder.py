@@ -62,3 +62,19 @@ def test_the_serve_deploy_config_is_valid_and_builds():
     (spec,) = cfg["applications"]
     assert spec["import_path"] == "hisparse_ray.serve:build_openai_app"
     assert _engine(build_openai_app(spec["args"]))._deployment_config.autoscaling_config
+
+
+def test_the_ingress_of_a_gpu_deployment_starts_where_no_gpu_is_visible():
+    """The ingress runs no rank: a ``device="gpu"`` deployment's ingress (placed on any node,
+    num_cpus 0) reads the model, tokenizer and limits without looking for a GPU (it raised
+    "needs a visible CUDA device" and the app never deployed)."""
+    from hisparse_ray.deploy import DeployOptions
+    from hisparse_ray.serve.openai_api import OpenAIServer
+
+    opts = DeployOptions(device="gpu", max_prompt_tokens=300)
+    with pytest.raises(ConfigError, match="needs a visible CUDA device"):
+        opts.specs(gpus=0)  # placing ranks still needs one
+    replica, prefill = opts.host_specs()
+    assert replica.gpus_per_rank == 0.0 and prefill.max_prompt_tokens == 300
+    door = OpenAIServer(None, opts)
+    assert door.max_prompt_tokens == 300 and door.model_id
