@@ -409,13 +409,13 @@ def test_random_mix_of_served_cancelled_and_timed_out_requests(app):
     handle, _, _ = app
     _settled(handle)  # earlier tests' streams out of Serve's queues: 12 fit max_ongoing + queued
     rng = random.Random(2026)
-    jobs = []
+    jobs, timeouts = [], {}
     for i in range(12):  # Serve counts a request queued until a replica takes it: some may be
         # refused (BackPressureError) before any is assigned; a refusal is an allowed answer
         prompt = [rng.randrange(1, 96) for _ in range(rng.choice([6, 30, 90, 160]))]
         max_new = rng.randrange(1, 9)
         temp = rng.choice([0.0, 0.0, 0.7])
-        timeout = rng.choice([None, None, 0.05, 30.0])
+        timeout = timeouts[i] = rng.choice([None, None, 0.05, 30.0])
         method = handle.generate if i % 2 else handle.options(stream=True).generate_stream
         resp = method.remote(ids=prompt, max_new_tokens=max_new, timeout_s=timeout,
                              temperature=temp, seed=i)
@@ -427,21 +427,26 @@ def test_random_mix_of_served_cancelled_and_timed_out_requests(app):
             break
         time.sleep(max(0.0, t0 + cancel_after - time.monotonic()))
         resp.cancel()
-    answered = []
-    for prompt, max_new, temp, seed, resp, _ in jobs:
+    answered, outcomes = [], []
+    for prompt, max_new, temp, seed, resp, cancel_after in jobs:
+        what = (f"request {seed}: {len(prompt)}-token prompt, {max_new} new, temperature {temp}, "
+                f"{'streamed' if seed % 2 == 0 else 'unary'}, timeout {timeouts[seed]}, "
+                f"cancel after {cancel_after}")
         try:
             if isinstance(resp, serve.handle.DeploymentResponseGenerator):
                 out = [c for c in resp][-1]
             else:
                 out = resp.result(timeout_s=300)
-            answered.append((prompt, max_new, temp, seed, out))
+            answered.append((prompt, max_new, temp, seed, out, what))
+            outcomes.append(f"{what}: answered")
         except (TimeoutError, asyncio.CancelledError, ray.exceptions.TaskCancelledError,
-                serve.exceptions.RequestCancelledError, serve.exceptions.BackPressureError):
-            pass
-    assert answered, "every request was cancelled, timed out or refused"
-    for prompt, max_new, temp, seed, out in answered:
+                serve.exceptions.RequestCancelledError, serve.exceptions.BackPressureError) as e:
+            outcomes.append(f"{what}: {type(e).__name__}")
+    assert answered, "every request was cancelled, timed out or refused:\n" + "\n".join(outcomes)
+    for prompt, max_new, temp, seed, out, what in answered:
         sampling = SamplingParams(temperature=temp, seed=seed) if temp else None
-        assert out["tokens"] == _expected([prompt], max_new, sampling)[0]
+        expected = _expected([prompt], max_new, sampling)[0]
+        assert out["tokens"] == expected, (what, out["tokens"], expected, outcomes)
     _settled(handle)
 
 

@@ -23,12 +23,20 @@ pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
 pytest.importorskip("ray.serve")
 
 
-def _post(url: str, body: dict, key: str) -> tuple[int, bytes]:
+def _post(url: str, body: dict, key: str, on_token=None) -> tuple[int, bytes]:
+    """(status, body); ``on_token()`` is called at a streamed answer's first token chunk."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {key}"})
     try:
         with urllib.request.urlopen(req, timeout=300) as resp:
-            return resp.status, resp.read()
+            if on_token is None:
+                return resp.status, resp.read()
+            lines = []
+            for line in resp:
+                lines.append(line)
+                if line.startswith(b"data: {") and b'"text"' in line:
+                    on_token()
+            return resp.status, b"".join(lines)
     except urllib.error.HTTPError as err:
         return err.code, err.read()
 
@@ -56,16 +64,21 @@ def test_serve_answers_the_openai_api_and_sigint_answers_every_client_then_exits
         assert _post(url, {"model": "hisparse-deepseek_v32", "prompt": "hello"}, "no")[0] == 401
 
         answers: dict[str, tuple[int, bytes]] = {}
+        decoding = threading.Event()  # the stream's first token arrived
 
         def ask(name: str, stream: bool) -> None:
-            answers[name] = _post(url, {"model": "hisparse-deepseek_v32", "prompt": [5] * 150,
-                                        "max_tokens": 1000, "stream": stream}, "k1")
+            body = {"model": "hisparse-deepseek_v32", "prompt": [5] * 150, "max_tokens": 1000,
+                    "stream": stream}
+            answers[name] = _post(url, body, "k1", on_token=decoding.set if stream else None)
 
         clients = [threading.Thread(target=ask, args=(n, s)) for n, s in (("plain", False),
                                                                           ("stream", True))]
-        for c in clients:
-            c.start()
-        time.sleep(3)  # both are decoding (1000 tokens take minutes here)
+        clients[0].start()
+        time.sleep(0.5)  # the plain request is admitted first: decoding when the stream is
+        clients[1].start()
+        # no fixed sleep: a fresh GPU process lands its first long prompts slower than a CPU one
+        assert decoding.wait(180), f"no streamed token after 180 s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.5)  # (1000 tokens take far longer than this on any device)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         for c in clients:
