@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from hisparse_ray.channel.codec import PickleCodec, StepCodec
 from hisparse_ray.channel.fanout import RankChannels
 from hisparse_ray.channel.pair import ChannelPair
-from hisparse_ray.channel.ring import SHM_DIR, ShmRing, WaitPolicy, cleanup_stale_segments
+from hisparse_ray.channel.ring import (
+    NATIVE, SHM_DIR, ShmRing, WaitPolicy, cleanup_stale_segments,
+)
 from hisparse_ray.errors import (
     ChannelClosedError,
     ChannelError,
@@ -229,9 +231,10 @@ def test_wait_pending_wakes_for_any_channel_and_times_out():
 
 
 # -- one writer, several readers ---------------------------------------------------------------
-def _broadcast(n: int, capacity: int = 1024):
-    tx = ShmRing.create("writer", capacity, readers=n, prefix="hsr-chtest-", policy=FAST, codec=P)
-    rxs = [ShmRing.attach(tx.spec_for(i), policy=FAST, codec=P) for i in range(n)]
+def _broadcast(n: int, capacity: int = 1024, native: bool | None = None):
+    tx = ShmRing.create("writer", capacity, readers=n, prefix="hsr-chtest-", policy=FAST, codec=P,
+                        native=native)
+    rxs = [ShmRing.attach(tx.spec_for(i), policy=FAST, codec=P, native=native) for i in range(n)]
     return tx, rxs
 
 
@@ -278,13 +281,16 @@ def test_the_slowest_reader_holds_the_writer_and_a_closed_reader_stops_it():
             r.close()
 
 
+@pytest.mark.parametrize("native", [
+    False, pytest.param(True, marks=pytest.mark.skipif(NATIVE is None, reason="no C ring"))],
+    ids=["python", "c"])
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 4), ops=st.lists(st.tuples(st.integers(-1, 3), st.integers(0, 200)),
                                          max_size=120))
-def test_broadcast_matches_a_fifo_per_reader(n, ops):
+def test_broadcast_matches_a_fifo_per_reader(native, n, ops):
     """Random schedules of sends and per-reader receives: each reader behaves like its own FIFO
     of everything sent; a send fits exactly when the slowest reader's backlog leaves room."""
-    tx, rxs = _broadcast(n, 512)
+    tx, rxs = _broadcast(n, 512, native)
     fifos: list[list[bytes]] = [[] for _ in range(n)]
     try:
         for i, (who, size) in enumerate(ops):
