@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import random
 import time
 import urllib.error
@@ -404,11 +405,17 @@ def test_random_mix_of_served_cancelled_and_timed_out_requests(app):
     """Hammer: 12 handle requests at once, random prompt lengths (host and resident landings),
     lengths and sampling, a third cancelled after a random delay, some with a timeout that may or
     may not fire. Every answer equals the full-resident engine's; nothing stays behind."""
+    handle, _, _ = app
+    # HISPARSE_HAMMER_ROUNDS=N: N rounds of differently seeded mixes on the same app (a soak)
+    for seed in range(2026, 2026 + int(os.environ.get("HISPARSE_HAMMER_ROUNDS", "1"))):
+        _random_mix_round(handle, seed)
+
+
+def _random_mix_round(handle, round_seed: int) -> None:
     from hisparse_ray.types import SamplingParams
 
-    handle, _, _ = app
     _settled(handle)  # earlier tests' streams out of Serve's queues: 12 fit max_ongoing + queued
-    rng = random.Random(2026)
+    rng = random.Random(round_seed)
     jobs, timeouts = [], {}
     for i in range(12):  # Serve counts a request queued until a replica takes it: some may be
         # refused (BackPressureError) before any is assigned; a refusal is an allowed answer
@@ -429,7 +436,8 @@ def test_random_mix_of_served_cancelled_and_timed_out_requests(app):
         resp.cancel()
     answered, outcomes = [], []
     for prompt, max_new, temp, seed, resp, cancel_after in jobs:
-        what = (f"request {seed}: {len(prompt)}-token prompt, {max_new} new, temperature {temp}, "
+        what = (f"round {round_seed}, request {seed}: {len(prompt)}-token prompt, {max_new} new, "
+                f"temperature {temp}, "
                 f"{'streamed' if seed % 2 == 0 else 'unary'}, timeout {timeouts[seed]}, "
                 f"cancel after {cancel_after}")
         try:
