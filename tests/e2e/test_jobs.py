@@ -23,13 +23,23 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "prefill_decode_off
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
+WORKER_PORTS = 200  # the head's worker port range: [wmin, wmin + WORKER_PORTS]
+
+
 def _ports(n: int) -> list[int]:
-    out: list[int] = []
-    while len(out) < n:
-        p = free_port("127.0.0.1")
-        if p not in out:
-            out.append(p)
-    return out
+    """``n`` distinct free ports; the last one starts the worker port range, and no other port
+    lies inside that range (Ray refuses to start when a component's port is in it: a CI run
+    failed on a dashboard port drawn inside the workers' range)."""
+    while True:
+        out: list[int] = []
+        while len(out) < n:
+            p = free_port("127.0.0.1")
+            if p not in out:
+                out.append(p)
+        wmin = out[-1]
+        if wmin + WORKER_PORTS < 65536 and not any(wmin <= p <= wmin + WORKER_PORTS
+                                                   for p in out[:-1]):
+            return out
 
 
 def test_an_example_submitted_as_a_job_runs_on_the_given_cluster():
@@ -45,7 +55,7 @@ def test_an_example_submitted_as_a_job_runs_on_the_given_cluster():
          f"--object-manager-port={om}", f"--dashboard-agent-listen-port={agent}",
          f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
          f"--runtime-env-agent-port={renv}", f"--min-worker-port={wmin}",
-         f"--max-worker-port={wmin + 200}", f"--temp-dir={tmp}", "--disable-usage-stats"],
+         f"--max-worker-port={wmin + WORKER_PORTS}", f"--temp-dir={tmp}", "--disable-usage-stats"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)  # its own process group: ended below by that group's id
     try:
