@@ -118,6 +118,35 @@ def hbm_gbps(device) -> float:
     return best
 
 
+@dataclass(frozen=True)
+class Stack:
+    """The benchmark's model on this machine's device (``stack``): shared with profile_step.py."""
+    device: torch.device
+    cfg: object
+    d: Dims
+    model: DSAModel
+    weight_bytes: int
+    hbm: float  # GB/s (nan on CPU)
+
+    def floor_ms(self, row_bytes: int, ctx: int, B: int) -> float:
+        """A step's HBM floor: every weight once, plus per row and layer the top-k KV rows and
+        the context's index keys, at the measured bandwidth (nan on CPU)."""
+        cfg, L = self.cfg, self.d.layers
+        moved = self.weight_bytes + L * (cfg.index_topk * row_bytes + ctx * (cfg.index_head_dim + 4)) * B
+        return moved / (self.hbm * 1e6) if self.hbm == self.hbm else float("nan")
+
+
+def stack(quick: bool, layers: int, steps: int, warm: int) -> Stack:
+    """Device (CUDA when there is one; bf16 there, fp32 on CPU), model, dims and HBM bandwidth."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = model_config(quick, layers)
+    d = Dims(cfg.num_hidden_layers, 32 if quick else 4096, 8 if quick else 64, steps, warm)
+    model = build_model(cfg, device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return Stack(device, cfg, d, model, weight_bytes, hbm_gbps(device))
+
+
 def request_bytes(mode: str, rows: KVRowCodec, cfg, d: Dims, ctx_rows: int) -> int:
     """GPU bytes one request needs: KV rows (all of them, or the hot buffer) + fp8 index keys +
     resolver slot state (HiSparse) + per-row step activations (logits, top-k keys)."""
@@ -313,19 +342,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny dims (CPU works): checks the script")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = model_config(a.quick, a.layers)
-    d = Dims(cfg.num_hidden_layers, 32 if a.quick else 4096, 8 if a.quick else 64, a.steps, a.warm)
     contexts = [256, 512] if a.quick else a.contexts
     t_start = time.perf_counter()
 
     def log(msg):
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
-    model = build_model(cfg, device, dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    hbm = hbm_gbps(device)
+    st = stack(a.quick, a.layers, a.steps, a.warm)
+    device, cfg, d, model, weight_bytes, hbm = st.device, st.cfg, st.d, st.model, st.weight_bytes, st.hbm
     if device.type == "cuda":
         torch.cuda.synchronize()
         free = torch.cuda.mem_get_info()[0]
@@ -384,8 +408,7 @@ def main() -> None:
                         traceback.print_exc()
                         results.append(dict(row, batch=B, trace=trace_name, error=f"{type(e).__name__}: {e}"))
                         continue
-                    floor_ms = (weight_bytes + L * (K * codec.row_bytes + ctx * (cfg.index_head_dim + 4)) * B
-                                ) / (hbm * 1e6) if hbm == hbm else float("nan")
+                    floor_ms = st.floor_ms(codec.row_bytes, ctx, B)
                     results.append(dict(row, batch=B, trace=trace_name, tok_s=B / r["step_ms"] * 1e3,
                                         resolver_ms=res_ms, resolver_share=res_ms / r["gpu_ms"],
                                         hbm_floor_ms=floor_ms, **r))

@@ -28,11 +28,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-bundle() {  # the device tool brings back at most 8 files: everything goes back as one archive
-  (cd "$OUT" && ls | grep -q . && tar czf /tmp/logs.tgz --exclude=logs.tgz . && rm -rf ./* \
-    && mv /tmp/logs.tgz logs.tgz) || true
-}
-trap bundle EXIT
+source "$(dirname "$0")/_bundle.sh"  # $OUT comes back as one archive
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 case "${1:-run}" in
   ray)

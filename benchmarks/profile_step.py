@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_capacity import Dims, Setup, build_model, hbm_gbps, make_trace, model_config  # noqa: E402
+from bench_capacity import Setup, make_trace, stack  # noqa: E402
 
 from hisparse_ray.kernels.kvfp8 import KVRowCodec  # noqa: E402
 from hisparse_ray.rank.executor import Row  # noqa: E402
@@ -103,21 +103,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny dims (CPU works)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = model_config(a.quick, a.layers)
     ctx = 256 if a.quick else a.context
-    d = Dims(cfg.num_hidden_layers, 32 if a.quick else 4096, 8 if a.quick else 64, 3, 2)
     t0 = time.perf_counter()
-    model = build_model(cfg, device, dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    hbm = hbm_gbps(device)
+    st = stack(a.quick, a.layers, steps=3, warm=2)
+    device, cfg, d, model, weight_bytes, hbm = st.device, st.cfg, st.d, st.model, st.weight_bytes, st.hbm
     codec = KVRowCodec("bf16", cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     host_rows = -(-(ctx + d.warm + d.steps + a.steps + 2 + d.page) // d.page) * d.page
     host_bytes = torch.empty(d.layers * host_rows * codec.row_bytes, dtype=torch.uint8,
                              pin_memory=device.type == "cuda")
     K, L, B = cfg.index_topk, d.layers, a.batch
-    floor_ms = (weight_bytes + L * (K * codec.row_bytes + ctx * (cfg.index_head_dim + 4)) * B) / (hbm * 1e6)
+    floor_ms = st.floor_ms(codec.row_bytes, ctx, B)
     print(f"[{time.perf_counter() - t0:6.1f}s] model {weight_bytes / 2**30:.1f} GiB, HBM {hbm:.0f} GB/s, "
           f"context {ctx}, batch {B}, {L} layers: HBM floor {floor_ms:.2f} ms", flush=True)
     results = []
