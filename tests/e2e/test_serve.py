@@ -29,8 +29,8 @@ openai = pytest.importorskip("openai")
 KEY = "test-key"
 MODEL = "hisparse-deepseek_v32"
 # LONG new tokens: a request the test cancels, times out or breaks must still be decoding when
-# it acts, whatever the step time (900 tokens left a GPU's fast tiny steps room to finish
-# inside the 2 s timeout below)
+# it acts, whatever the step time: 900 tokens tied the tests to a slow step (the 2 s timeout
+# below fires only if the answer takes longer), and a faster device could finish first
 LONG = 5000  # fits the tiny host pool (0.01 GiB: ~1700 pages of 8) with room for the rest
 OPTIONS = {"tp": 2, "device_blocks": 12, "max_new_tokens": 6, "max_new_tokens_limit": LONG,
            "health_check_period_s": 2, "api_key": KEY, "max_request_bytes": 1 << 16,
