@@ -22,9 +22,35 @@ bucket's rows, padded rows included):
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from hisparse_ray.model.rowmath import RowMath
+
+
+class StepRows(RowMath):
+    """The fast step's row math (a :class:`RowMath` for the model's ``rm`` hooks): GEMMs batched
+    over the bucket (one shape whatever the rows hold), transcendental elementwise ops (``sigmoid``,
+    ``silu``, rope's ``cos`` / ``sin``) one row at a time on the CPU. torch's CPU kernels run whole
+    SIMD vectors and round a tensor's tail in a scalar routine that differs in the last bit, so a
+    row's ``sigmoid`` would depend on its place in the batch (row 5 of 7 is in the tail, row 0 is
+    not): a request scheduled at another row in HiSparse than in full-resident decode (spills make
+    the schedules differ) got other logits in the same bucket. CUDA kernels compute every element
+    alike: there the op runs once on the whole tensor."""
+
+    def __init__(self) -> None:
+        super().__init__(False)
+
+    def each(self, fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        if x.device.type != "cpu" or x.shape[0] <= 1:
+            return fn(x)
+        return torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+ROWS = StepRows()
 
 
 def masked_kernel(experts, x: Tensor) -> bool:
@@ -36,13 +62,14 @@ def masked_kernel(experts, x: Tensor) -> bool:
 
 def every_expert(experts, x: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
     """Routed output ``[B, hidden]`` of ``x [B, hidden]`` with router ``weights [B, k]`` fp32 and
-    ``chosen [B, k]`` expert ids: every expert over all rows, masked (see the module doc)."""
+    ``chosen [B, k]`` expert ids: every expert over all rows, masked (see the module doc); ``silu``
+    per row on the CPU (:class:`StepRows`)."""
     out = torch.zeros_like(x)
     for e in range(experts.gate_up_proj.shape[0]):
         hit = chosen == e  # an expert is picked at most once per token
         w = torch.where(hit, weights, 0.0).sum(-1, keepdim=True)  # [B, 1] fp32: exact (one term)
         gate, up = experts._mm(x, "gate_up_proj", e).chunk(2, dim=-1)  # fp8 weights: their GEMM
-        y = (experts._mm(F.silu(gate) * up, "down_proj", e) * w).to(out.dtype)
+        y = (experts._mm(ROWS.each(F.silu, gate) * up, "down_proj", e) * w).to(out.dtype)
         out += torch.where(hit.any(-1, keepdim=True), y, 0.0)
     return out
 
@@ -78,11 +105,12 @@ def masked_grouped(experts, x: Tensor, weights: Tensor, chosen: Tensor) -> Tenso
 
 
 def moe_step(moe, x: Tensor) -> Tensor:
-    """``MoE.forward`` of one fast step's rows ``x [B, hidden]``, sync-free (see the module doc)."""
-    weights, chosen = moe.gate(x)
+    """``MoE.forward`` of one fast step's rows ``x [B, hidden]``, sync-free (see the module doc);
+    a row's result depends on that row alone (:class:`StepRows`)."""
+    weights, chosen = moe.gate(x, ROWS)
     ex = moe.experts
     if masked_kernel(ex, x):
         routed = masked_grouped(ex, x, weights, chosen)
     else:
         routed = every_expert(ex, x, weights, chosen)
-    return routed + moe.shared_experts(x)
+    return routed + moe.shared_experts(x, ROWS)

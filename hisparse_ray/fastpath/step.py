@@ -38,7 +38,7 @@ from hisparse_ray.fastpath.layer import (
 from hisparse_ray.kernels import deepgemm, flashmla
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
 from hisparse_ray.fastpath.topk import select_topk_fast
-from hisparse_ray.fastpath.moe import moe_step
+from hisparse_ray.fastpath.moe import ROWS, moe_step
 from hisparse_ray.model.layers import MoE
 from hisparse_ray.model.rope import inv_freq_and_scale
 
@@ -154,7 +154,8 @@ class FastDecodeStep:
         valid = seq > 0
         freqs = inp.view("pos", B)[:, 0].float()[:, None] * self.inv_freq
         dt = model.dtype
-        cos, sin = (freqs.cos() * self.rope_factor).to(dt), (freqs.sin() * self.rope_factor).to(dt)
+        cos = (ROWS.each(torch.cos, freqs) * self.rope_factor).to(dt)  # per row on the CPU
+        sin = (ROWS.each(torch.sin, freqs) * self.rope_factor).to(dt)
         sched = deepgemm.schedule(seq) if self.logits_kind == "deepgemm" else None
         h = model.model.embed_tokens(ids)
         for l, layer in enumerate(model.model.layers):
@@ -190,7 +191,7 @@ class FastDecodeStep:
                 out = attend_reference(attn, q_full, rt.device_kv[l], out_rows, valid, codec)
             h = h + out
             x = layer.post_attention_layernorm(h)
-            h = h + (moe_step(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
+            h = h + (moe_step(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x, ROWS))
         logits = model.lm_head(model.model.norm(h)).float()
         self.logits[:B].copy_(logits)
         self.tokens[:B].copy_(logits.argmax(-1))
