@@ -189,22 +189,52 @@ class Engine:
             self._pending[rid] = p
 
     def _land(self, adm) -> None:
-        p = self._known[adm.request_id]
+        """Prefill and land one admission. If that fails (e.g. the fast path's index-key pool is
+        full), the request finishes as a failed landing, frees every lease and worker state it
+        held, and the error is raised: nothing stays half-landed."""
+        rid = adm.request_id
+        p = self._known[rid]
+        self._pending.pop(rid, None)
         T = adm.num_positions
         keys = None
-        if T:
-            tokens = torch.tensor(p.prompt[:T], dtype=torch.int64, device=self.model.device)
-            hook = None
-            if self.prefill_hook is not None:
-                rid = adm.request_id
-                hook = lambda layer, topk: self.prefill_hook(rid, layer, topk)  # noqa: E731
-            with torch.no_grad():
-                _, kv_rows, keys = self.model.prefill(tokens, topk_hook=hook,
-                                                      batch_invariant=self.config.batch_invariant)
-            self.worker.land_local(adm, kv_rows)
-        self.worker.install_index_keys(adm.request_id, keys, T + p.max_new_tokens + 1)
-        self._pending.pop(adm.request_id, None)
-        self.core.apply_landed(adm.request_id)
+        try:
+            if T:
+                tokens = torch.tensor(p.prompt[:T], dtype=torch.int64, device=self.model.device)
+                hook = None
+                if self.prefill_hook is not None:
+                    hook = lambda layer, topk: self.prefill_hook(rid, layer, topk)  # noqa: E731
+                with torch.no_grad():
+                    _, kv_rows, keys = self.model.prefill(
+                        tokens, topk_hook=hook, batch_invariant=self.config.batch_invariant)
+                self.worker.land_local(adm, kv_rows)
+            self.worker.install_index_keys(rid, keys, T + p.max_new_tokens + 1)
+        except BaseException:
+            self.core.apply_landing_failed(rid)
+            self._forget_unnamed(rid)
+            raise
+        self.core.apply_landed(rid)
+
+    def _land_all(self, admissions) -> None:
+        """Land every admission; a failed one does not keep the others from landing (its error
+        is raised after them)."""
+        error = None
+        for adm in admissions:
+            try:
+                self._land(adm)
+            except Exception as e:  # noqa: BLE001 - re-raised below
+                error = error or e
+        if error is not None:
+            raise error
+
+    def _forget_unnamed(self, rid: RequestId) -> None:
+        """Drop the worker's state of a released request no step ever named (a step that names
+        a request releases its state itself)."""
+        if (self.core.view(rid).state is RequestState.RELEASED
+                and rid not in self.worker.runtime.requests):
+            self.worker.index.pop(rid, None)
+            self.worker.samplers.pop(rid, None)
+            if self.worker.fast is not None:  # its paged index keys
+                self.worker.fast.release(rid)
 
     def abort(self, request_id: str) -> list[int]:
         """Finish a request now (waiting or running); its blocks are released once nothing of it
@@ -212,19 +242,13 @@ class Engine:
         rid = RequestId(request_id)
         self.core.finish(rid)  # UnknownRequestError / StateError before anything changes
         self._pending.pop(rid, None)
-        if (self.core.view(rid).state is RequestState.RELEASED
-                and rid not in self.worker.runtime.requests):  # no step ever named it
-            self.worker.index.pop(rid, None)
-            self.worker.samplers.pop(rid, None)
-            if self.worker.fast is not None:  # its paged index keys
-                self.worker.fast.release(rid)
+        self._forget_unnamed(rid)
         return self.result(request_id)
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> bool:
         """Admit what fits, run one decode step. False when nothing could be done."""
-        for adm in self.core.poll_waiting():
-            self._land(adm)
+        self._land_all(self.core.poll_waiting())
         cmd = self.core.take_command()
         if cmd is None:
             return False

@@ -41,8 +41,10 @@ class FastPathConfig:
     logits: indexer logits by "deepgemm" (``fp8_paged_mqa_logits``: fp8 keys, 64 x 128 index
         heads, needs ``sgl-deep-gemm``), "reference" (torch), or "auto".
     cuda_graphs: capture one CUDA graph per bucket (CUDA only; TP needs NCCL to be captured).
-    index_pages: pages of the GPU index-key pool (None: every request slot of the rank can hold
-        ``max_context`` positions).
+    index_pages: pages of the GPU index-key pool, a fixed cap (None: room for ``max_batch``
+        requests of ``max_context`` positions, grown on demand). At least one request of
+        ``max_context`` positions; a request that lands while the others hold the rest fails its
+        landing (CapacityError) and frees what it held.
     """
 
     max_context: int = 4096
@@ -72,6 +74,10 @@ class FastPathConfig:
             raise ConfigError("cuda_graphs", self.cuda_graphs, "must be a bool")
         if self.index_pages is not None:
             _pos_int("index_pages", self.index_pages)
+            if self.index_pages < self.index_pages_per_request:
+                raise ConfigError("index_pages", self.index_pages,
+                                  f"must hold one request of max_context={self.max_context} "
+                                  f"positions ({self.index_pages_per_request} pages of {INDEX_PAGE})")
 
     @property
     def max_batch(self) -> int:

@@ -107,7 +107,8 @@ class PagedIndexKeys:
             if self.max_pages is not None:
                 want = min(want, self.max_pages)
             if want - self.num_pages + len(self._free) < n:
-                raise CapacityError("index key pages", n, len(self._free))
+                raise CapacityError(f"index key pages ({len(self._free)} free, the rest held by "
+                                    f"{len(self.pages)} requests)", n, want)
             self._allocate(want)
         pages = np.array([self._free.pop() for _ in range(n)], dtype=np.int32)
         self.pages[rid] = pages

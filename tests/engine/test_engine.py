@@ -181,3 +181,32 @@ def test_the_engine_host_pool_has_no_name_in_dev_shm(models):
     del eng  # its views keep the mapping until they go
     gc.collect()
     assert mine(mapped_segments()) == []
+
+
+def test_a_failed_landing_releases_the_request_and_the_others_go_on(models):
+    """A prefill that raises (here the prefill hook) fails that landing alone: the error reaches
+    the caller, the request is released with every block it leased, the requests queued behind it
+    still land, and all of them decode what they decode without it (was: it stayed LANDING with
+    its leases, the waiting requests behind it were never landed)."""
+    m = models["deepseek_v32"]
+    prompts = prompts_of([60, 30, 45, 20], m.cfg.vocab_size, seed=8)
+
+    def hook(rid, layer, topk):
+        if rid == "r2":
+            raise RuntimeError("prefill of r2 failed")
+
+    with Engine(m, EngineConfig(num_device_blocks=4, max_batch=2)) as eng:
+        eng.prefill_hook = hook
+        eng.add_request("r0", prompts[0], 6)  # the others wait for its blocks
+        for i in (1, 2, 3):
+            eng.add_request(f"r{i}", prompts[i], 6)
+        with pytest.raises(RuntimeError, match="prefill of r2"):
+            eng.run()
+        assert eng.core.view("r2").state is RequestState.RELEASED
+        out = eng.run()
+        eng.core.check_invariants()
+        c = eng.core.counters
+        assert (c.device_blocks_used, c.host_blocks_used, c.waiting, c.running) == (0, 0, 0, 0)
+        assert "r2" not in eng.worker.samplers and "r2" not in eng.worker.index
+    base = run(m, [prompts[i] for i in (0, 1, 3)], 6, EngineConfig(full_resident=True))[0]
+    assert out == {"r0": base["r0"], "r1": base["r1"], "r2": [], "r3": base["r2"]}

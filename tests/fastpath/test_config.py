@@ -34,6 +34,8 @@ def test_index_pages_per_request():
     (dict(logits="cublas"), "logits"),
     (dict(cuda_graphs=1), "cuda_graphs"),
     (dict(index_pages=0), "index_pages"),
+    (dict(max_context=1000, index_pages=15), r"index_pages=15: must hold one request of "
+                                             r"max_context=1000 positions \(16 pages"),
 ])
 def test_bad_fast_options(kw, key):
     with pytest.raises(ConfigError, match=key):

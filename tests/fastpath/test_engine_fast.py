@@ -159,6 +159,31 @@ def test_requests_past_max_context_are_refused_before_admission(dense):
         assert len(eng.run()["y"]) == 4
 
 
+
+def test_a_landing_the_full_index_key_pool_refuses_frees_what_it_held(dense):
+    """index_pages=3 of 2-page requests: the second landing finds 1 free page. It fails with a
+    CapacityError saying so and releases its blocks; the others decode exactly and a later
+    request lands once pages are free (was: the request stayed LANDING with its leases and
+    every later step raised)."""
+    fast = FastPathConfig(max_context=128, buckets=(2,), index_pages=3)
+    a, b, c = prompts_of([70, 70, 10], dense.cfg.vocab_size, seed=21)
+    with Engine(dense, fast_cfg(fast)) as eng:
+        eng.add_request("a", a, 5)
+        with pytest.raises(CapacityError, match=r"index key pages \(1 free, the rest held by 1 "):
+            eng.add_request("b", b, 5)
+        assert eng.core.view("b").state is RequestState.RELEASED
+        eng.add_request("c", c, 5)
+        out = eng.run()
+        eng.add_request("b2", b, 5)
+        out.update(eng.run())
+        eng.core.check_invariants()
+        cnt = eng.core.counters
+        assert (cnt.device_blocks_used, cnt.host_blocks_used, cnt.running) == (0, 0, 0)
+        assert eng.worker.fast.keys.free_pages == 3 and not eng.worker.index
+    roomy = FastPathConfig(max_context=128, buckets=(2,))  # one bucket: exact whatever the batches
+    base = run(dense, [a, c, b], 5, fast_cfg(roomy, full_resident=True))[0]
+    assert out == {"a": base["r0"], "b": [], "c": base["r1"], "b2": base["r2"]}
+
 def test_device_hit_counts_follow_the_runtime_definition(dense):
     """The step's on-device hits / misses equal ``hot_counts_reference`` (the definition the
     reference path reports) on the step's own resolved rows and plans, every step."""
