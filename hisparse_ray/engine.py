@@ -11,6 +11,7 @@ baseline every comparison uses. The actor system runs the same pieces across pro
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import re
 from dataclasses import dataclass, field
@@ -108,6 +109,22 @@ class EngineConfig:
                         row_bytes=self.codec(model_cfg, dtype).row_bytes)
 
 
+def _check_devices(c: EngineConfig) -> None:
+    """ConfigError naming ``device`` / ``backend`` when this machine cannot run them (checked when
+    an engine starts, not in the config: a config may be written on one machine for another)."""
+    if c.device != "cpu":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(c.device.partition(":")[2] or 0)
+        if index >= n:
+            raise ConfigError("device", c.device, f"this machine has {n} CUDA device(s)"
+                              + ("" if n else "; use 'cpu'"))
+    if c.backend == "cuda":
+        from hisparse_ray.kernels import cuda
+        if c.device == "cpu" or not cuda.available():
+            raise ConfigError("backend", c.backend, "the CUDA resolver needs device='cuda' and "
+                              "cupy with a CUDA device; 'auto' picks what runs here")
+
+
 @dataclass
 class _Pending:
     prompt: list[int]
@@ -125,6 +142,7 @@ class Engine:
     def __init__(self, model: Any, config: EngineConfig | None = None) -> None:
         self.model, self.config = model, config or EngineConfig()
         c = check_type("config", self.config, EngineConfig)
+        _check_devices(c)
         c.hisparse.check_model(model.cfg.index_topk, model=f"the {model.cfg.kind} model")
         self.layout = c.layout(model.cfg, model.dtype)
         num_host = self.layout.host_blocks(c.hisparse.host_pool_gib)
@@ -171,9 +189,9 @@ class Engine:
             raise DuplicateRequestError(rid)
         if sampling is not None:
             check_type("sampling", sampling, SamplingParams)
-        p = _Pending(list(prompt), max_new_tokens, eos_token_id)
+        p = _Pending(_token_ids(rid, prompt), max_new_tokens, eos_token_id)
         vocab = self.model.cfg.vocab_size
-        bad = [t for t in p.prompt if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in p.prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(rid, f"token {bad[0]!r} is not an id in [0, {vocab}) of this model")
         fast = self.config.fast_path
@@ -291,6 +309,25 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _token_ids(rid: RequestId, prompt: Any) -> list[int]:
+    """``prompt`` as a list of Python ints: any iterable of integers (numpy's, 0-d torch tensors
+    too); InvalidRequestError for anything else (None, floats, bools, strings)."""
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise InvalidRequestError(rid, f"prompt must be a sequence of token ids, got "
+                                       f"{type(prompt).__name__} {prompt!r}"[:200]) from None
+    out = []
+    for t in items:
+        try:
+            if isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool:
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise InvalidRequestError(rid, f"token {t!r} is not an integer token id") from None
+    return out
 
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,

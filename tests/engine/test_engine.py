@@ -210,3 +210,38 @@ def test_a_failed_landing_releases_the_request_and_the_others_go_on(models):
         assert "r2" not in eng.worker.samplers and "r2" not in eng.worker.index
     base = run(m, [prompts[i] for i in (0, 1, 3)], 6, EngineConfig(full_resident=True))[0]
     assert out == {"r0": base["r0"], "r1": base["r1"], "r2": [], "r3": base["r2"]}
+
+
+def test_prompts_of_any_integer_type_are_taken_and_the_rest_refused_by_name(models):
+    """numpy / 0-d torch integers are token ids like Python ints (tokenizers return arrays); None,
+    floats and bools are refused with InvalidRequestError naming the value (was: TypeError for
+    None, and 'np.int64(5) is not an id in [0, 96)' for a valid id)."""
+    import numpy as np
+
+    from hisparse_ray.errors import InvalidRequestError
+
+    m = models["deepseek_v32"]
+    ids = [5, 17, 3, 40]
+    with Engine(m, EngineConfig()) as eng:
+        eng.add_request("py", ids, 3)
+        eng.add_request("np", np.array(ids), 3)
+        eng.add_request("pt", torch.tensor(ids), 3)
+        for rid, bad, match in (("a", None, "prompt must be a sequence of token ids, got NoneType"),
+                                ("b", [1, 2.0], "token 2.0 is not an integer token id"),
+                                ("c", [1, True], "token True is not an integer token id"),
+                                ("d", np.array([1, 96]), r"token 96 is not an id in \[0, 96\)")):
+            with pytest.raises(InvalidRequestError, match=match):
+                eng.add_request(rid, bad, 3)
+        out = eng.run()
+    assert out["np"] == out["pt"] == out["py"] and len(out["py"]) == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("kw, key", [(dict(device="cuda"), "device"), (dict(device="cuda:3"), "device"),
+                                     (dict(backend="cuda"), "backend")])
+def test_cuda_options_on_a_machine_without_cuda_are_refused_by_name(models, kw, key):
+    """Was: AssertionError 'Torch not compiled with CUDA enabled' deep in the worker (device), or
+    KernelPreconditionError at the first decode step, after requests were admitted (backend)."""
+    with pytest.raises(ConfigError) as ei:
+        Engine(models["deepseek_v32"], EngineConfig(**kw))
+    assert ei.value.key == key and ei.value.value == kw[key]
