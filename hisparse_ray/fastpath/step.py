@@ -4,10 +4,10 @@ over static device buffers, captured in one CUDA graph per batch-size bucket.
 Per layer: norm + MLA projections, the newest KV row encoded (bf16 or fp8 rows) into its write
 row, the indexer's newest key into the paged key pool, the indexer's logits over the pool
 (DeepGEMM's fp8 paged logits or the torch reference), the deterministic top-k
-(:func:`~hisparse_ray.model.indexer.select_topk`'s rule, computed by
-:func:`~hisparse_ray.fastpath.topk.select_topk_fast`), the resolver (hot buffer / host misses /
-resident rows), sparse MLA attention over the resolved rows (FlashMLA or the torch reference),
-``W_uv`` + ``o_proj`` (+ the TP all-reduce), the MLP. Then the final norm, ``lm_head`` and argmax.
+(:func:`~hisparse_ray.model.indexer.select_topk`'s set, in position order:
+:func:`~hisparse_ray.fastpath.topk.select_topk_positions`, one Triton kernel on CUDA), the
+resolver (hot buffer / host misses / resident rows), sparse MLA attention over the resolved rows
+(FlashMLA or the torch reference), ``W_uv`` + ``o_proj`` (+ the TP all-reduce), the MLP. Then the final norm, ``lm_head`` and argmax.
 Hot-buffer hits and misses are counted on the device.
 
 Static state: :class:`~hisparse_ray.fastpath.inputs.StepInputs` (filled by host work before each
@@ -37,7 +37,7 @@ from hisparse_ray.fastpath.layer import (
 )
 from hisparse_ray.kernels import deepgemm, flashmla
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
-from hisparse_ray.fastpath.topk import select_topk_fast
+from hisparse_ray.fastpath.topk import select_topk_positions
 from hisparse_ray.fastpath.moe import moe_step
 from hisparse_ray.model.layers import MoE
 from hisparse_ray.model.rope import inv_freq_and_scale
@@ -171,10 +171,8 @@ class FastDecodeStep:
                 q, w = ix.queries(x, q_resid, cos, sin)
                 logits = index_logits(self.logits_kind, self.keys, i, ix, q, w, itable, seq, sched)
                 topk = self.topk_all[self.slot_of[l], :B]
-                if self.topk_override is None:
-                    topk.copy_(select_topk_fast(logits, self.K))
-                else:
-                    select_topk_fast(logits, self.K)  # timed, then replaced by the trace
+                select_topk_positions(logits, self.K, lengths=seq, out=topk)
+                if self.topk_override is not None:  # timed above, then replaced by the trace
                     topk.copy_(torch.where(valid[:, None], self.topk_override[l][:B], -1))
                 kernels.resolve(
                     top_k=topk, seq_lens=seq, state_idx=state, slot_pos=rt.slot_pos[l], lru=rt.lru[l],
