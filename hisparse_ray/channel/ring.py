@@ -311,7 +311,7 @@ class ShmRing:
                     got = ring.recv(mm, self.capacity, self.readers, self.index, pos, self._seq,
                                     self._futex)
             except ValueError as err:
-                raise ChannelError(str(err), self.name) from None
+                raise ChannelError(f"{err}; {self._where(pos)}", self.name) from None
             self.ready_t = time.perf_counter()
             payload, self._pos = got
             self._seq += 1
@@ -327,7 +327,7 @@ class ShmRing:
             length, seq = _FRAME.unpack(self._get(pos, _FRAME.size))
         if seq != self._seq or length > cap - _FRAME.size:
             raise ChannelError(f"corrupt frame: seq {seq} (expected {self._seq}), "
-                               f"length {length}", self.name)
+                               f"length {length}; {self._where(pos)}", self.name)
         start = off + _FRAME.size
         if start + length <= cap:
             payload = mm[data + start:data + start + length]
@@ -342,6 +342,18 @@ class ShmRing:
             if load(_WRITER + _WAITING):
                 futex_wake(self._base + line + _POS)
         return self._load_payload(payload)
+
+    def _where(self, pos: int) -> str:
+        """(error path) Where a corrupt frame was met: this reader's position, the writer's
+        position now, the header at ``pos`` read again, and where a header with the expected
+        sequence number lies, if anywhere (diagnoses a lost publish from a misplaced frame)."""
+        cap, data, want = self.capacity, self._data, self._seq
+        again = _FRAME.unpack(self._get(pos, _FRAME.size))
+        hits = [o for o in range(0, cap - _FRAME.size + 1, 8)
+                if _FRAME.unpack_from(self._mm, data + o)[1] == want
+                and 0 < _FRAME.unpack_from(self._mm, data + o)[0] <= cap][:4]
+        return (f"read at {pos} (offset {pos % cap}), writer at {self._load(_WRITER + _POS)}, "
+                f"header there now (length, seq) = {again}, seq {want} found at offsets {hits}")
 
     def _load_payload(self, payload: bytes) -> Any:
         try:

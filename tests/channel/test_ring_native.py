@@ -69,11 +69,33 @@ def test_the_c_reader_refuses_a_corrupt_frame_and_a_closed_reader_stops_the_c_wr
         tx.send("a", timeout=1)
         data = 128 + 64  # ring.py's data offset for one reader
         struct.pack_into("<Q", tx._mm, data + 8, 5)  # the first frame's sequence number
-        with pytest.raises(ChannelError, match="corrupt frame"):
+        with pytest.raises(ChannelError, match="corrupt frame") as err:
             rx.recv(timeout=1)
+        # where it was met: the reader's and the writer's positions, the header read again
+        assert "read at 0 (offset 0), writer at 32" in str(err.value)
+        assert "header there now (length, seq) = (" in str(err.value)
         rx.close()
         with pytest.raises(ChannelClosedError):
             tx.send("b", timeout=1)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_the_python_reader_names_where_a_corrupt_frame_lies():
+    """A frame whose sequence number is wrong: the error says where the reader and the writer
+    stand and at which offsets a header with the expected sequence number lies (diagnosis of a
+    frame written elsewhere vs a publish seen before its frame)."""
+    tx = ShmRing.create("writer", 512, codec=P, native=False)
+    rx = ShmRing.attach(tx.spec, codec=P, native=False)
+    try:
+        tx.send("a", timeout=1)
+        tx.send("b", timeout=1)
+        data = 128 + 64
+        struct.pack_into("<Q", tx._mm, data + 8, 7)  # frame 0 claims sequence 7
+        with pytest.raises(ChannelError, match=r"seq 7 \(expected 0\)") as err:
+            rx.recv(timeout=1)
+        assert "writer at 64" in str(err.value) and "seq 0 found at offsets []" in str(err.value)
     finally:
         tx.close()
         rx.close()
