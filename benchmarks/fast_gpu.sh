@@ -8,10 +8,10 @@
 #                                          # select_topk_fast on CUDA + bench_topk (~6-9 min)
 #   bash benchmarks/fast_gpu.sh big        # < 9 min: where the batch-1 step's time goes
 #                                          # (profile_step.py), 64K capacity, 16K/64K/128K prefill
-#   bash benchmarks/fast_gpu.sh topk       # < 8 min: the Triton top-k kernel's gpu tests + the fast
-#                                          # path's exactness tests (position order), bench_topk,
-#                                          # and the batch-1 32K step profiled with the kernel off
-#                                          # and on (HISPARSE_TRITON_TOPK=0 / 1), same call
+#   bash benchmarks/fast_gpu.sh triton     # < 9.5 min: the Triton kernels' gpu tests (top-k, RMSNorm)
+#                                          # + the fast path's exactness tests, bench_topk, and the
+#                                          # batch-1 32K step profiled with the kernels off, top-k
+#                                          # only, both (HISPARSE_TRITON_TOPK / _NORM), same call
 #   bash benchmarks/fast_gpu.sh final      # < 6.5 min: fast-path + exactness gpu tests, 32K + 128K
 #                                          # capacity (few steps) and a 16K prefill, time-boxed each
 # Carry .device-wheels/kernels (sglang-kernel 0.4.6, sgl-deep-gemm, apache-tvm-ffi).
@@ -54,18 +54,21 @@ case "${1:-check}" in
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|MoE|passed|failed|Error" "$OUT/moe_topk.log" | tail -20
     timeout 50 python3 benchmarks/bench_topk.py --repeats 5 --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log"
     ;;
-  topk)
+  triton)
     timeout 170 python3 -m pytest -v -p no:cacheprovider -rA -m gpu tests/kernels/test_topk_triton.py \
-      tests/fastpath/test_topk.py tests/fastpath/test_fast_gpu.py > "$OUT/topk_tests.log" 2>&1
+      tests/kernels/test_norm_triton.py tests/fastpath/test_topk.py tests/fastpath/test_fast_gpu.py \
+      > "$OUT/triton_tests.log" 2>&1
     echo "pytest rc=$?"
-    grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/topk_tests.log" | tail -30
-    timeout 60 python3 benchmarks/bench_topk.py --repeats 5 --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log"
-    for flag in 0 1; do
-      mkdir -p "$OUT/triton_topk_$flag"
-      HISPARSE_TRITON_TOPK=$flag timeout 110 python3 benchmarks/profile_step.py --context 32768 \
-        --out "$OUT/triton_topk_$flag" > "$OUT/triton_topk_$flag/profile_step.log" 2>&1
-      echo "profile (HISPARSE_TRITON_TOPK=$flag) rc=$?"
-      grep -v -E "^USDT|profiler_st" "$OUT/triton_topk_$flag/profile_step.log" | tail -25
+    grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/triton_tests.log" | tail -30
+    timeout 50 python3 benchmarks/bench_topk.py --repeats 5 --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log"
+    for flags in "0 0" "1 0" "1 1"; do
+      set -- $flags
+      d="$OUT/profile_topk$1_norm$2"
+      mkdir -p "$d"
+      HISPARSE_TRITON_TOPK=$1 HISPARSE_TRITON_NORM=$2 timeout 100 python3 benchmarks/profile_step.py \
+        --context 32768 --modes hisparse --out "$d" > "$d/profile_step.log" 2>&1
+      echo "profile (HISPARSE_TRITON_TOPK=$1 HISPARSE_TRITON_NORM=$2) rc=$?"
+      grep -v -E "^USDT|profiler_st" "$d/profile_step.log" | tail -14
     done
     ;;
   final)

@@ -39,7 +39,7 @@ from hisparse_ray.kernels import deepgemm, flashmla
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
 from hisparse_ray.fastpath.topk import select_topk_positions
 from hisparse_ray.fastpath.moe import moe_step
-from hisparse_ray.model.layers import MoE
+from hisparse_ray.model.layers import MoE, fused_norms
 from hisparse_ray.model.rope import inv_freq_and_scale
 
 
@@ -142,6 +142,10 @@ class FastDecodeStep:
 
     @torch.no_grad()
     def _body(self, B: int) -> None:
+        with fused_norms(self.device.type == "cuda"):  # one Triton kernel per RMSNorm on CUDA
+            self._layers(B)
+
+    def _layers(self, B: int) -> None:
         model, rt, inp, codec = self.model, self.rt, self.inputs, self.codec
         meta = self._metadata(B)  # outside the captured work: computed on the first (eager) run
         ids = inp.view("ids", B)[:, 0].long()
