@@ -11,11 +11,13 @@ modes read it in the same order, so HiSparse equals full-resident bit for bit al
 
 The kernel, one program per row, every pass reading the row from L2 after the first:
 
-1. four histogram passes over the row's valid keys, 8 bits each, most significant first: each
-   32-bit key is the score's order-preserving pattern (``select_topk``'s high half, as unsigned);
-   after pass p the threshold's top ``8 (p + 1)`` bits are known and ``rem`` says how many keys
-   equal to that prefix are still to take. After pass 4 ``T`` is the k-th largest key and ``rem``
-   how many of the keys equal to ``T`` are taken (the lowest positions: the tie rule);
+1. up to four histogram passes over the row's valid keys, 8 bits each, most significant first:
+   each 32-bit key is the score's order-preserving pattern (``select_topk``'s high half, as
+   unsigned); after pass p the threshold's top ``8 (p + 1)`` bits are known and ``rem`` says how
+   many keys with that prefix are still to take. When that is the whole bucket, the cut ``T`` is
+   the bucket's lowest key and every key equal to it is taken (no more passes); else after pass 4
+   ``T`` is the k-th largest key and ``rem`` how many of the keys equal to it are taken (the
+   lowest positions: the tie rule);
 2. one pass writing every position with key ``> T``, and the first ``rem`` positions with key
    ``== T``, to consecutive output slots (a running count plus a block prefix sum), then ``-1``.
 
@@ -48,13 +50,12 @@ def _body(S, stride_s, LEN, stride_l, OUT, stride_o, N, kk, K,
     NB: tl.constexpr = 256 if MASKED_HIST else 512  # unmasked: the extra bins hold excluded keys
     bins = tl.arange(0, NB)
     prefix = tl.full([], 0, dtype=tl.int64)
-    rem = tl.full([], 1, dtype=tl.int32)  # keys still to take at the prefix (1: pass 0 runs)
-    thresh = tl.full([], -1, dtype=tl.int64)  # -1: every valid key is taken (no radix passes)
+    rem = tl.full([], 0, dtype=tl.int32)  # keys still to take among those with the prefix
+    active = tl.full([], 1, dtype=tl.int32)  # a cut is still being searched (pass 0 always runs)
+    thresh = tl.full([], -1, dtype=tl.int64)  # -1: every valid key is taken (no cut)
     for p in tl.static_range(4):
         SHIFT = 24 - 8 * p  # (a compile-time value: p is unrolled)
-        # pass 0 counts the valid keys (a row with at most kk takes them all: rem becomes 0);
-        # later passes run only while a cut is needed
-        if rem > 0:
+        if active > 0:
             hist = tl.zeros((NB,), dtype=tl.int32)
             for start in range(0, L, BLOCK_):
                 idx = start + offs
@@ -70,16 +71,22 @@ def _body(S, stride_s, LEN, stride_l, OUT, stride_o, N, kk, K,
                     hist += tl.histogram(tl.where(ok, digit, 256), NB)
             hist = tl.where(bins < 256, hist, 0)
             total = tl.sum(hist, 0)
-            if p == 0:
-                rem = tl.where(total > kk, kk, 0)
-            if rem > 0:
+            if p == 0:  # at most kk valid keys: take them all (thresh stays -1)
+                rem = tl.minimum(total, kk)
+                active = (total > kk).to(tl.int32)
+            if active > 0:
                 ge = total - tl.cumsum(hist, 0) + hist  # keys with digit >= d, per d
                 d = tl.sum(((ge >= rem) & (bins < 256)).to(tl.int32), 0) - 1
                 above = tl.sum(tl.where((bins > d) & (bins < 256), hist, 0), 0)
+                in_bucket = tl.sum(tl.where(bins == d, hist, 0), 0)
                 rem = rem - above
                 prefix = prefix * 256 + d.to(tl.int64)
-                if p == 3:
-                    thresh = prefix
+                if rem == in_bucket:  # the whole bucket is taken: cut at its lowest key, no
+                    thresh = prefix << SHIFT  # more passes, every key equal to it taken
+                    rem = 2147483647
+                    active = active * 0
+                if p == 3:  # (still active) the k-th largest key; take rem of its ties
+                    thresh = tl.where(active > 0, prefix, thresh)
     # compaction: keys above the threshold, then the first `rem` equal to it, in position order
     n_sel = tl.full([], 0, dtype=tl.int32)
     n_tie = tl.full([], 0, dtype=tl.int32)
