@@ -43,6 +43,10 @@ class FastPathConfig:
     cuda_graphs: capture one CUDA graph per bucket (CUDA only; TP needs NCCL to be captured).
     index_pages: pages of the GPU index-key pool (None: every request slot of the rank can hold
         ``max_context`` positions).
+    compile_glue: ``torch.compile`` the per-layer torch work between the library kernels (norms,
+        projections, rope, casts, the dense MLP; :mod:`hisparse_ray.fastpath.glue`): fused
+        kernels instead of ~150 small launches a layer. Compiles during a bucket's first step
+        (one graph per function for every layer; seconds to minutes once per process).
     """
 
     max_context: int = 4096
@@ -52,6 +56,7 @@ class FastPathConfig:
     logits: str = "auto"
     cuda_graphs: bool = True
     index_pages: int | None = None
+    compile_glue: bool = False
 
     def __post_init__(self) -> None:
         _pos_int("max_context", self.max_context)
@@ -72,6 +77,8 @@ class FastPathConfig:
             raise ConfigError("cuda_graphs", self.cuda_graphs, "must be a bool")
         if self.index_pages is not None:
             _pos_int("index_pages", self.index_pages)
+        if not isinstance(self.compile_glue, bool):
+            raise ConfigError("compile_glue", self.compile_glue, "must be a bool")
 
     @property
     def max_batch(self) -> int:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from hisparse_ray import kernels
 from hisparse_ray.fastpath.config import INDEX_PAGE, FastPathConfig
+from hisparse_ray.fastpath.glue import Glue
 from hisparse_ray.fastpath.index_keys import PagedIndexKeys
 from hisparse_ray.fastpath.inputs import StepInputs
 from hisparse_ray.fastpath.layer import (
@@ -81,6 +82,7 @@ class FastDecodeStep:
         inv, self.rope_factor = inv_freq_and_scale(m)
         self.inv_freq = inv.to(dev)
         self.topk_override: Tensor | None = None  # [L, Bmax, K] int32: benchmarks' top-k traces
+        self.glue = Glue.build(cfg.compile_glue)  # the per-layer torch work, compiled or eager
         self.attention = choose_attention(cfg, model, codec, dev)
         self.logits_kind = choose_logits(cfg, model, keys, dev)
         if self.attention == "flashmla" and codec.kind == "fp8" and rows % 64:
@@ -142,7 +144,8 @@ class FastDecodeStep:
 
     @torch.no_grad()
     def _body(self, B: int) -> None:
-        with fused_norms(self.device.type == "cuda"):  # one Triton kernel per RMSNorm on CUDA
+        # one Triton kernel per RMSNorm on CUDA, unless the glue is compiled (inductor fuses them)
+        with fused_norms(self.device.type == "cuda" and not self.glue.compiled):
             self._layers(B)
 
     def _layers(self, B: int) -> None:
@@ -160,19 +163,19 @@ class FastDecodeStep:
         dt = model.dtype
         cos, sin = (freqs.cos() * self.rope_factor).to(dt), (freqs.sin() * self.rope_factor).to(dt)
         sched = deepgemm.schedule(seq) if self.logits_kind == "deepgemm" else None
+        glue = self.glue
         h = model.model.embed_tokens(ids)
         for l, layer in enumerate(model.model.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q_full, q_resid, row = attn.project(x, cos, sin)
+            x, q_full, q_resid, row = glue.pre_attention(layer, h, cos, sin)
             rt.device_kv[l][write] = codec.encode(row)
             a = rt.anchor_of[l]
             out_rows, plan = self.out_rows[a][:B], self.plan[a][:B]
             if a == l:
                 ix = attn.indexer
                 i = self.keys.slot[l]
-                self.keys.write(i, iwrite, ix.keys(x, cos, sin))
-                q, w = ix.queries(x, q_resid, cos, sin)
+                key, q, w = glue.index_inputs(ix, x, q_resid, cos, sin)
+                self.keys.write(i, iwrite, key)
                 logits = index_logits(self.logits_kind, self.keys, i, ix, q, w, itable, seq, sched)
                 topk = self.topk_all[self.slot_of[l], :B]
                 select_topk_positions(logits, self.K, lengths=seq, out=topk)
@@ -190,12 +193,14 @@ class FastDecodeStep:
                 out = attend_flashmla(attn, q_full, rt.device_kv[l], out_rows, valid, codec, meta)
             else:
                 out = attend_reference(attn, q_full, rt.device_kv[l], out_rows, valid, codec)
-            h = h + out
-            x = layer.post_attention_layernorm(h)
-            h = h + (moe_step(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
-        logits = model.lm_head(model.model.norm(h)).float()
+            if isinstance(layer.mlp, MoE):
+                h = h + out
+                h = h + moe_step(layer.mlp, layer.post_attention_layernorm(h))
+            else:
+                h = glue.post_attention(layer, h, out)
+        logits, tokens = glue.head(model, h)
         self.logits[:B].copy_(logits)
-        self.tokens[:B].copy_(logits.argmax(-1))
+        self.tokens[:B].copy_(tokens)
         self._count(B, seq, resident)
 
     def _count(self, B: int, seq: Tensor, resident: Tensor) -> None:
