@@ -44,11 +44,12 @@ class ChannelPair:
 
     @classmethod
     def attach(cls, spec: tuple[ChannelSpec, ChannelSpec], *,
-               policy: WaitPolicy | None = None, codec: Codec | None = None) -> ChannelPair:
+               policy: WaitPolicy | None = None, codec: Codec | None = None,
+               native: bool | None = None) -> ChannelPair:
         their_out, their_in = spec
-        inb = ShmRing.attach(their_out, policy=policy, codec=codec)
+        inb = ShmRing.attach(their_out, policy=policy, codec=codec, native=native)
         try:
-            out = ShmRing.attach(their_in, policy=policy, codec=codec)
+            out = ShmRing.attach(their_in, policy=policy, codec=codec, native=native)
         except BaseException:
             inb.close()
             raise
