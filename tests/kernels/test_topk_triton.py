@@ -7,25 +7,16 @@ to 128K positions) and replayed from a CUDA graph."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._triton import compile_sm90, run_interpreted  # noqa: E402
 
 
 def test_interpreted_kernel_equals_select_topk_in_position_order():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels._topk_triton_cases", "80"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "0 mismatches" in proc.stdout
+    run_interpreted("tests.kernels._topk_triton_cases", "80")
 
 
 @pytest.mark.parametrize("masked_hist", [True, False])
@@ -33,9 +24,6 @@ def test_kernel_compiles_for_sm90_without_a_gpu(masked_hist):
     """The interpreter runs Python semantics; this compiles the real kernel (Triton's own
     ptxas, no device needed) for the H200's sm_90 in both histogram variants, int32 and int64
     outputs, with and without lengths: a construct only the compiler rejects fails here."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from hisparse_ray.kernels import topk_triton
 
     if masked_hist and not topk_triton._masked_hist():
@@ -44,14 +32,9 @@ def test_kernel_compiles_for_sm90_without_a_gpu(masked_hist):
         sig = {"S": "*fp32", "stride_s": "i32", "LEN": "*i64", "stride_l": "i32", "OUT": out_ty,
                "stride_o": "i32", "N": "i32", "kk": "i32", "K": "i32", "HAS_LEN": "constexpr",
                "MASKED_HIST": "constexpr", "BLOCK_": "constexpr"}
-        src = triton.compiler.ASTSource(fn=topk_triton._kernel, signature=sig, constexprs={
-            "HAS_LEN": has_len, "MASKED_HIST": masked_hist, "BLOCK_": topk_triton.BLOCK})
-        try:
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": topk_triton.NUM_WARPS})
-        except FileNotFoundError as err:  # no bundled ptxas in this triton build
-            pytest.skip(f"triton cannot compile here: {err}")
-        assert compiled.asm["cubin"]
+        assert compile_sm90(topk_triton._kernel, sig, {"HAS_LEN": has_len,
+                            "MASKED_HIST": masked_hist, "BLOCK_": topk_triton.BLOCK},
+                            topk_triton.NUM_WARPS)
 
 
 def test_bad_arguments_name_the_value():
