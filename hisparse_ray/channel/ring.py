@@ -16,6 +16,7 @@ interoperate. ``HISPARSE_NATIVE_RING=0`` (or ``native=False``) keeps a ring in P
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
 import os
@@ -108,6 +109,7 @@ class ShmRing:
         self._store(self._line + _PID, os.getpid())
         self._closed = False
         self.ready_t = 0.0  # reader: perf_counter() when the last message was found (tracing)
+        self._seen: collections.deque = collections.deque(maxlen=8)  # (pos, writer pos) per recv
         self._fence_lock = threading.Lock()
         self._futex = policy.futex and futex_available()
         if native and NATIVE is None:
@@ -316,10 +318,16 @@ class ShmRing:
             payload, self._pos = got
             self._seq += 1
             return self._load_payload(payload)
-        if load(_WRITER + _POS) == pos:
+        w = load(_WRITER + _POS)
+        if w == pos:
             self._wait(lambda: load(_WRITER + _POS) != pos, timeout, "no message")
+            w = load(_WRITER + _POS)
         self.ready_t = time.perf_counter()
         cap, data = self.capacity, self._data
+        self._seen.append((pos, w))
+        if not 0 < w - pos <= cap:  # the writer is behind this reader, or a lap ahead
+            raise ChannelError(f"ring positions out of order: writer at {w}, reader at {pos} "
+                               f"(capacity {cap}); {self._where(pos)}", self.name)
         off = pos % cap
         if off + _FRAME.size <= cap:
             length, seq = _FRAME.unpack_from(mm, data + off)
@@ -353,7 +361,8 @@ class ShmRing:
                 if _FRAME.unpack_from(self._mm, data + o)[1] == want
                 and 0 < _FRAME.unpack_from(self._mm, data + o)[0] <= cap][:4]
         return (f"read at {pos} (offset {pos % cap}), writer at {self._load(_WRITER + _POS)}, "
-                f"header there now (length, seq) = {again}, seq {want} found at offsets {hits}")
+                f"header there now (length, seq) = {again}, seq {want} found at offsets {hits}, "
+                f"last (reader, writer) positions seen {list(self._seen)}")
 
     def _load_payload(self, payload: bytes) -> Any:
         try:
