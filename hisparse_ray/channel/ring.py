@@ -80,7 +80,9 @@ class ShmRing:
     reader i consumes it by advancing its own ``read_pos[i]``; the writer reuses bytes only once
     the slowest reader is past them. Invariants: ``0 <= write_pos - read_pos[i] <= capacity``
     for every i; every reader sees every message, in order, once (it checks ``seq``). Relies on
-    the x86-64 store order (TSO) for publication. Wake-ups: a blocked side raises its
+    the x86-64 store order (TSO) for publication, and on every shared word (positions, flags,
+    pids) being read and written whole: one 8-byte load or store through a u64 memoryview
+    (``_load`` / ``_store``; ``struct.pack_into`` zero-fills first, a peer could read 0). Wake-ups: a blocked side raises its
     ``waiting`` word and futex-waits on the low 32 bits of the position it waits for (a reader:
     ``write_pos``; the writer: the slowest reader's ``read_pos``); the other side, after moving
     that position, wakes it if the word is up. Both put a full fence (a lock round trip) between
@@ -105,6 +107,8 @@ class ShmRing:
         self._line = _WRITER if role == "writer" else _READER + 64 * index
         self._reader_lines = tuple(_READER + 64 * i for i in range(readers))
         self._seq = 0
+        # every shared word through this u64 view: one 8-byte store each (see _store)
+        self._words = memoryview(mm).cast("Q")
         self._pos = self._load(self._line + _POS)
         self._store(self._line + _PID, os.getpid())
         self._closed = False
@@ -214,6 +218,7 @@ class ShmRing:
             futex_wake(self._base + _WRITER + _POS)
             for off in self._reader_lines:
                 futex_wake(self._base + off + _POS)
+        self._words.release()
         self._mm.close()
         os.close(self._fd)
         if self._creator:
@@ -288,7 +293,7 @@ class ShmRing:
             self._put(pos, _FRAME.pack(n, self._seq) + payload)
         self._pos = pos + frame
         self._seq += 1
-        _U64.pack_into(mm, _WRITER + _POS, self._pos)  # publish
+        self._words[_WRITER >> 3] = self._pos  # publish (one 8-byte store: see _store)
         if self._futex:  # wake the readers blocked on write_pos
             self._fence()
             for off in lines:
@@ -344,7 +349,7 @@ class ShmRing:
         self._pos = pos + _FRAME.size + ((length + 7) & ~7)
         self._seq += 1
         line = self._line
-        _U64.pack_into(mm, line + _POS, self._pos)  # free the frame before decoding
+        self._words[line >> 3] = self._pos  # free the frame before decoding
         if self._futex:
             self._fence()
             if load(_WRITER + _WAITING):
@@ -402,10 +407,15 @@ class ShmRing:
             raise ChannelError(f"this end is a {self.role}; cannot act as a {role}", self.name)
 
     def _load(self, off: int) -> int:
-        return _U64.unpack_from(self._mm, off)[0]
+        return self._words[off >> 3]
 
     def _store(self, off: int, value: int) -> None:
-        _U64.pack_into(self._mm, off, value)
+        """One 8-byte store of a shared word (``off`` 8-byte aligned). Never ``struct.pack_into``
+        on a word a peer reads: CPython zero-fills its destination before packing, so a peer can
+        read 0 in between (a published position that reads 0 looked like a new frame to a
+        reader: the Python ring's corrupt-frame failures of 2026-12-01). A memoryview item
+        assignment is one ``memcpy`` of 8 bytes (``tests/channel/test_ring_words.py``)."""
+        self._words[off >> 3] = value
 
     def _put(self, pos: int, data: bytes) -> None:
         off, n, mm, base = pos % self.capacity, len(data), self._mm, self._data
