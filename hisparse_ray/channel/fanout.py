@@ -21,16 +21,14 @@ class RankChannels:
     """The coordinator's rings to its ``n`` ranks: ``commands`` (it writes, rank r is reader r)
     and ``reports[r]`` (rank r writes, it reads). Lifecycle: construct -> hand ``specs[r]`` to
     rank r (``ChannelPair.attach``) -> ``round_trip`` per step -> ``close``. One round trip at
-    a time (a lock); ``log`` and ``trace`` keep the recent steps' timings. ``native``: this end's
-    ring ops in C (None: where built; ``ShmRing``)."""
+    a time (a lock); ``log`` and ``trace`` keep the recent steps' timings."""
 
-    def __init__(self, n: int, policy: WaitPolicy | None = None, *,
-                 native: bool | None = None) -> None:
+    def __init__(self, n: int, policy: WaitPolicy | None = None) -> None:
         self.reports: list[ShmRing] = []
-        self.commands = ShmRing.create("writer", readers=n, policy=policy, native=native)
+        self.commands = ShmRing.create("writer", readers=n, policy=policy)
         try:
             for _ in range(n):
-                self.reports.append(ShmRing.create("reader", policy=policy, native=native))
+                self.reports.append(ShmRing.create("reader", policy=policy))
         except BaseException:
             self.close()
             raise

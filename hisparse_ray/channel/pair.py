@@ -44,12 +44,11 @@ class ChannelPair:
 
     @classmethod
     def attach(cls, spec: tuple[ChannelSpec, ChannelSpec], *,
-               policy: WaitPolicy | None = None, codec: Codec | None = None,
-               native: bool | None = None) -> ChannelPair:
+               policy: WaitPolicy | None = None, codec: Codec | None = None) -> ChannelPair:
         their_out, their_in = spec
-        inb = ShmRing.attach(their_out, policy=policy, codec=codec, native=native)
+        inb = ShmRing.attach(their_out, policy=policy, codec=codec)
         try:
-            out = ShmRing.attach(their_in, policy=policy, codec=codec, native=native)
+            out = ShmRing.attach(their_in, policy=policy, codec=codec)
         except BaseException:
             inb.close()
             raise

@@ -8,10 +8,11 @@ put them together. A ``/dev/shm`` segment holds a ring of length-prefixed encode
 blocks on a futex (woken by the other side's next publish or read; timed slices bound a lost
 wake-up and notice a dead peer); without futex support it sleeps with backoff.
 
-Ring ops in C: a frame's write + publish + wake and its read + free + wake run in
-``hisparse_ray.channel._ring`` where it is built (``setup.py``; any C compiler), one call each
-instead of ~20 interpreted lines; the same frames and protocol, so C and Python ends
-interoperate. ``HISPARSE_NATIVE_RING=0`` (or ``native=False``) keeps a ring in Python.
+The ring ops are Python. C ring ops (a frame's write + publish + wake and read + free + wake in
+one call each) were measured and removed (issue #16 B3): on the H200 the Python ring already
+meets the control-plane target at TP 2 (real-step overhead 78.3 us median / 101.6 us p90 against
+<= 100 / <= 150 us; the C ops gave 55.5 / 92.5). Their removal waited on the Python ring's
+corrupt frames, found on 2026-12-01: ``struct.pack_into`` zero-fills before it packs (``_store``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from hisparse_ray.channel.futex import futex_available, futex_wait, futex_wake
 from hisparse_ray.channel.spec import (  # noqa: F401  (re-exported: the rings' public surface)
     DEFAULT_PREFIX, SHM_DIR, ChannelSpec, Role, WaitPolicy, cleanup_stale_segments, pid_alive,
 )
-from hisparse_ray.config import env_flag
 from hisparse_ray.errors import (
     ChannelClosedError,
     ChannelError,
@@ -53,19 +53,6 @@ _FRAME = struct.Struct("<QQ")  # payload length, sequence number (0, 1, 2, ...)
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _LINE3 = struct.Struct("<QQQ")  # a line's position, pid and closed flag
-
-def _load_native():
-    """The C ring ops, or None (not built, or switched off with HISPARSE_NATIVE_RING=0)."""
-    if not env_flag("HISPARSE_NATIVE_RING", True):
-        return None
-    try:
-        from hisparse_ray.channel import _ring
-    except ImportError:
-        return None
-    return _ring
-
-
-NATIVE = _load_native()
 
 
 def _data_offset(readers: int) -> int:
@@ -97,8 +84,7 @@ class ShmRing:
     """
 
     def __init__(self, name: str, role: Role, index: int, fd: int, mm: mmap.mmap, capacity: int,
-                 readers: int, creator: bool, policy: WaitPolicy, codec: Codec | None,
-                 native: bool | None = None) -> None:
+                 readers: int, creator: bool, policy: WaitPolicy, codec: Codec | None) -> None:
         self.name, self.role, self.index = name, role, index
         self.capacity, self.readers = capacity, readers
         self._fd, self._mm, self._creator, self._policy = fd, mm, creator, policy
@@ -116,10 +102,6 @@ class ShmRing:
         self._seen: collections.deque = collections.deque(maxlen=8)  # (pos, writer pos) per recv
         self._fence_lock = threading.Lock()
         self._futex = policy.futex and futex_available()
-        if native and NATIVE is None:
-            raise ValueError("native=True, but hisparse_ray.channel._ring is not built or is "
-                             "switched off (HISPARSE_NATIVE_RING=0)")
-        self._native = NATIVE if native is None or native else None  # C ring ops, or None
         probe = ctypes.c_char.from_buffer(mm)  # the mapping's address (it never moves)
         self._base = ctypes.addressof(probe)
         del probe  # drop the buffer export so that close() can unmap
@@ -129,11 +111,10 @@ class ShmRing:
     @classmethod
     def create(cls, role: Role, capacity: int = DEFAULT_CAPACITY, *, readers: int = 1,
                prefix: str = DEFAULT_PREFIX, policy: WaitPolicy | None = None,
-               codec: Codec | None = None, native: bool | None = None) -> ShmRing:
+               codec: Codec | None = None) -> ShmRing:
         """Create a new segment and take ``role`` (a creating reader is reader 0 and needs
         ``readers == 1``); ``capacity`` bytes of ring (multiple of 8). ``codec`` (every end must
-        agree) defaults to ``StepCodec``: ``StepCommand`` and ``StepReport`` only. ``native``:
-        this end's ring ops in C (None: where built and not switched off)."""
+        agree) defaults to ``StepCodec``: ``StepCommand`` and ``StepReport`` only."""
         if role not in ("writer", "reader"):
             raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
         if capacity < 64 or capacity % 8:
@@ -156,12 +137,11 @@ class ShmRing:
         mm[0:8] = _MAGIC
         _U64.pack_into(mm, _OFF_CAPACITY, capacity)
         _U64.pack_into(mm, _OFF_READERS, readers)
-        return cls(name, role, 0, fd, mm, capacity, readers, True, policy or WaitPolicy(), codec,
-                   native)
+        return cls(name, role, 0, fd, mm, capacity, readers, True, policy or WaitPolicy(), codec)
 
     @classmethod
     def attach(cls, spec: ChannelSpec, *, policy: WaitPolicy | None = None,
-               codec: Codec | None = None, native: bool | None = None) -> ShmRing:
+               codec: Codec | None = None) -> ShmRing:
         """Map the segment ``spec`` names and take the other role (as reader ``spec.reader``
         when the creator writes); the last end to map unlinks the name."""
         path = os.path.join(SHM_DIR, spec.name)
@@ -185,7 +165,7 @@ class ShmRing:
             os.close(fd)
             raise ChannelError(f"{role} {index} of this ring is already attached", spec.name)
         ring = cls(spec.name, role, index, fd, mm, spec.capacity, spec.readers, False,
-                   policy or WaitPolicy(), codec, native)
+                   policy or WaitPolicy(), codec)
         ring._fence()
         if ring._load(_WRITER + _PID) and all(ring._load(o + _PID) for o in ring._reader_lines):
             ring.unlink()  # every end is mapped
@@ -233,11 +213,6 @@ class ShmRing:
     # -- messages --------------------------------------------------------------------------
 
     @property
-    def native(self) -> bool:
-        """Whether this end's ring ops run in C."""
-        return self._native is not None
-
-    @property
     def max_message_bytes(self) -> int:
         """Largest encoded payload that fits the ring."""
         return self.capacity - _FRAME.size
@@ -248,25 +223,6 @@ class ShmRing:
         ``ChannelTimeoutError``, ``ChannelClosedError`` (a reader closed) or
         ``ChannelPeerLostError`` (a reader that blocks the ring died)."""
         self._check_role("writer")
-        ring = self._native
-        if ring is not None:
-            payload = self._codec.dumps(obj)
-            if len(payload) > self.capacity - _FRAME.size:
-                raise MessageTooLargeError(len(payload), self.max_message_bytes, self.name)
-            while True:
-                got = ring.send(self._mm, self.capacity, self.readers, self._pos, self._seq,
-                                payload, self._futex)
-                if got is None:  # the slowest reader leaves no room: wait, then write
-                    pos, cap, load, lines = self._pos, self.capacity, self._load, self._reader_lines
-                    frame = _FRAME.size + ((len(payload) + 7) & ~7)
-                    self._wait(lambda: cap - (pos - min(load(o + _POS) for o in lines)) >= frame,
-                               timeout, "no room in the ring")
-                    continue
-                if got < 0:
-                    raise ChannelClosedError("a reader closed its end", self.name)
-                self._pos = got
-                self._seq += 1
-                return
         mm, lines, line3 = self._mm, self._reader_lines, _LINE3.unpack_from
         low = None
         for off in lines:  # one read per reader: its position, pid and closed flag
@@ -308,21 +264,6 @@ class ShmRing:
         for a corrupt frame or an unreadable message (never a crash, never a silent misread)."""
         self._check_role("reader")
         pos, mm, load = self._pos, self._mm, self._load
-        ring = self._native
-        if ring is not None:
-            try:
-                got = ring.recv(mm, self.capacity, self.readers, self.index, pos, self._seq,
-                                self._futex)
-                if got is None:
-                    self._wait(lambda: load(_WRITER + _POS) != pos, timeout, "no message")
-                    got = ring.recv(mm, self.capacity, self.readers, self.index, pos, self._seq,
-                                    self._futex)
-            except ValueError as err:
-                raise ChannelError(f"{err}; {self._where(pos)}", self.name) from None
-            self.ready_t = time.perf_counter()
-            payload, self._pos = got
-            self._seq += 1
-            return self._load_payload(payload)
         w = load(_WRITER + _POS)
         if w == pos:
             self._wait(lambda: load(_WRITER + _POS) != pos, timeout, "no message")

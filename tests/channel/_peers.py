@@ -110,8 +110,7 @@ def busy(stop, seed: int) -> None:
             time.sleep(rng.random() * 5e-4)
 
 
-def rank_loop(spec, rank: int, seed: int, native: bool | None, noise: int = 1,
-              timeout: float = 30.0) -> int:
+def rank_loop(spec, rank: int, seed: int, noise: int = 1, timeout: float = 30.0) -> int:
     """A rank's step thread as ``DecodeWorker._loop`` runs it (its own thread, ``noise`` busy
     threads beside it): each StepCommand answered with a StepReport of random size (up to 40
     sampled tokens) at a random pace; a negative step ends it. Returns the steps answered."""
@@ -119,7 +118,7 @@ def rank_loop(spec, rank: int, seed: int, native: bool | None, noise: int = 1,
 
     from hisparse_ray.types import RequestId, StepReport
 
-    pair = ChannelPair.attach(spec, native=native)
+    pair = ChannelPair.attach(spec)
     stop = threading.Event()
     for i in range(noise):
         threading.Thread(target=busy, args=(stop, seed * 31 + i), daemon=True).start()

@@ -114,23 +114,21 @@ def test_ray_actors_hammer(ray_cluster):
         ray.kill(b)
 
 
-@pytest.mark.parametrize("native", [False, None], ids=["python", "default"])
-def test_fanout_round_trips_under_the_actor_thread_mix(native):
+def test_fanout_round_trips_under_the_actor_thread_mix():
     """The coordinator's step channel as the actor system drives it, hammered: one broadcast
     command ring and one report ring per rank (``RankChannels``), two rank processes answering
     from a step thread beside a busy thread, the coordinator's round trips from its own step
     thread while the main thread reads the step log and another thread keeps the interpreter
     busy; 1500 steps, random report sizes and pauses. Every round trip returns each rank's
-    report for that step, in rank order; the Python ring ops (no C module) and the default."""
+    report for that step, in rank order."""
     import threading
 
     from hisparse_ray.channel.fanout import RankChannels
     from hisparse_ray.types import StepCommand
 
     n, steps = 2, 1500
-    chans = RankChannels(n, native=native)
-    ranks = [_run_child(_peers.rank_loop, spec, r, 11 + r, native) for r, spec in
-             enumerate(chans.specs)]
+    chans = RankChannels(n)
+    ranks = [_run_child(_peers.rank_loop, spec, r, 11 + r) for r, spec in enumerate(chans.specs)]
     stop = threading.Event()
     threading.Thread(target=_peers.busy, args=(stop, 3), daemon=True).start()
     failure: list[BaseException] = []

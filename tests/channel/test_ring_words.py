@@ -18,14 +18,14 @@ DONE = 5_000_000
 
 
 def _rewrite(spec, n: int) -> None:
-    ring = ShmRing.attach(spec, codec=PickleCodec(), native=False)
+    ring = ShmRing.attach(spec, codec=PickleCodec())
     for i in range(n):
         ring._store(OFF, 1_000_000 + i)  # large values: a torn or zero-filled store shows
     ring._store(OFF, DONE)
 
 
 def test_a_peer_never_reads_a_word_that_was_not_stored():
-    with ShmRing.create("reader", 4096, codec=PickleCodec(), native=False) as ring:
+    with ShmRing.create("reader", 4096, codec=PickleCodec()) as ring:
         ring._store(OFF, 999_999)
         child = CTX.Process(target=_rewrite, args=(ring.spec, 2_000_000), daemon=True)
         child.start()
