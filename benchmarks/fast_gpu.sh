@@ -12,8 +12,9 @@
 #                                          # + the fast path's exactness tests, bench_topk, and the
 #                                          # batch-1 32K step profiled with the kernels off, then on
 #                                          # (HISPARSE_TRITON_TOPK / _NORM), same call
-#   bash benchmarks/fast_gpu.sh glue       # < 6 min: the same step profiled with the Triton kernels
-#                                          # on, glue eager vs compiled (HISPARSE_COMPILE_GLUE=1:
+#   bash benchmarks/fast_gpu.sh glue       # < 9 min: the compiled glue's gpu exactness test, then the
+#                                          # same step profiled with the Triton kernels on, glue
+#                                          # eager vs compiled (HISPARSE_COMPILE_GLUE=1:
 #                                          # FastPathConfig.compile_glue in the benchmark stack)
 #   bash benchmarks/fast_gpu.sh final      # < 6.5 min: fast-path + exactness gpu tests, 32K + 128K
 #                                          # capacity (few steps) and a 16K prefill, time-boxed each
@@ -75,6 +76,11 @@ case "${1:-check}" in
     for flags in "0 0 0" "1 1 0"; do profile $flags; done
     ;;
   glue)
+    timeout 150 python3 -m pytest -v -p no:cacheprovider -rA -s \
+      "tests/fastpath/test_fast_gpu.py::test_compiled_glue_equals_full_resident_and_matches_reference" \
+      > "$OUT/glue_tests.log" 2>&1
+    echo "pytest rc=$?"
+    grep -E "(PASSED|FAILED|ERROR)|compiled glue|passed|failed" "$OUT/glue_tests.log" | tail -10
     for flags in "1 1 0" "1 1 1"; do profile $flags; done
     ;;
   final)
