@@ -17,7 +17,6 @@ import ray
 import torch
 
 from hisparse_ray.actors import tp
-from hisparse_ray.channel import ring
 from hisparse_ray.channel.pair import ChannelPair
 from hisparse_ray.channel.ring import ChannelSpec
 from hisparse_ray.deploy import ReplicaSpec
@@ -81,9 +80,7 @@ class DecodeWorker:
         gpu = torch.cuda.get_device_properties(0).uuid if self.spec.use_cuda else None
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "ip": tp.node_ip(), "gpu": str(gpu) if gpu is not None else None,
-                "tp_backend": dist.get_backend() if dist.is_initialized() else None,
-                # the step rings' C ops (hisparse_ray.channel._ring) are built and on here
-                "native_ring": ring.NATIVE is not None}
+                "tp_backend": dist.get_backend() if dist.is_initialized() else None}
 
     def rendezvous(self) -> tp.Rendezvous:
         if self.rank != 0:

@@ -210,7 +210,8 @@ class Setup:
         self.rt = HiSparseRuntime(hs, layout, blocks, list(host), device=device, max_requests=B,
                                   backend="auto", spare_rows=spare)
         fast = FastPathConfig(max_context=life, buckets=tuple(sorted({1, min(4, B), B})),
-                              index_key_dtype="fp8", cuda_graphs=True)
+                              index_key_dtype="fp8", cuda_graphs=True,
+                              compile_glue=os.environ.get("HISPARSE_COMPILE_GLUE") == "1")
         self.ex = FastExecutor(model, self.rt, rows, fast, block_threads=1024)
         self._fill(rows, pages, host_rows)
         self.rids = [RequestId(f"q{b}") for b in range(B)]

@@ -79,8 +79,7 @@ def bench_control_plane(rep, probes: int) -> dict:
                 if all(s in log for log in rank_logs)]
     stages = step_stages(ray.get(coord.get_step_trace.remote()),
                          ray.get([r.get_step_trace.remote() for r in ranks]))
-    native = [ray.get(r.node_info.remote())["native_ring"] for r in ranks]
-    return {"native_ring": native, "shm_empty_step_round_trip": _us(shm),
+    return {"shm_empty_step_round_trip": _us(shm),
             "real_step_overhead": _us(overhead),
             "ray_call_one_rank": _us(plain), "ray_call_fanout_tp2": _us(fanout),
             "real_step_stages": stages}
@@ -233,15 +232,11 @@ def main() -> int:
                     help="ReplicaSpec.landing_push_with_prefill (bare flag: always): one-chunk "
                          "landings push in the prefill call (e2e then counts from the worker's "
                          "prefill end); auto only while the staging pool keeps room for another")
-    ap.add_argument("--ring", choices=["native", "python"], default="native",
-                    help="the step rings' ops: C (hisparse_ray.channel._ring, where built) or "
-                         "Python (HISPARSE_NATIVE_RING=0); the codec is msgspec either way")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
-    env = {"HISPARSE_NATIVE_RING": "1" if args.ring == "native" else "0"}
     ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), num_gpus=1 if gpu else 0,
-             include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+             include_dashboard=False, log_to_driver=False)
     try:
         # on a GPU the prefill workers sit on the GPU too: "direct" is then GPU -> another
         # process's pinned host over UCX, "staged" GPU -> the rank's GPU staging pool + local D2H
@@ -309,8 +304,7 @@ def main() -> int:
 
 
 def _print_control(cp: dict, machine: str) -> None:
-    print(f"\ncontrol plane at TP 2 ({machine}; one broadcast command per step, msgspec codec; "
-          f"C ring ops on the ranks: {cp['native_ring']}):")
+    print(f"\ncontrol plane at TP 2 ({machine}; one broadcast command per step, msgspec codec):")
     print(f"{'measurement':<32} {'median us':>10} {'p90 us':>10} {'n':>6}")
     for k, v in cp.items():
         if isinstance(v, dict) and "median_us" in v:

@@ -1,7 +1,10 @@
 """Benchmark (not a test): the fast step's top-k per indexer layer, ``select_topk`` (one int64 key
 per position, an int64 top-k over the row) against ``select_topk_fast`` (a float top-k for the
 k-th value, the tie rule among the keys equal to it, int64 keys for the k candidates only;
-``hisparse_ray/fastpath/topk.py``), same process, same scores, outputs checked equal.
+``hisparse_ray/fastpath/topk.py``) and, on CUDA with triton, the Triton kernel the fast step runs
+(``hisparse_ray/kernels/topk_triton.py``: radix select + one compaction pass, the set in position
+order, each row scanned to its length only), same process, same scores, outputs checked equal
+(as sets in position order for the kernel).
 
 Scores as the indexer makes them (``--ties``): head-weighted relu sums where a fraction of the
 keys scores exactly 0.0 (every head rejected them; the k-th place then falls inside that tie
@@ -25,17 +28,30 @@ from pathlib import Path
 
 import torch
 
-from hisparse_ray.fastpath.topk import select_topk_fast
+from hisparse_ray.fastpath.topk import in_position_order, select_topk_fast
 from hisparse_ray.model.indexer import select_topk
 
 
-def scores(B: int, N: int, zeros: float, fill: float, device: str, seed: int = 0) -> torch.Tensor:
+def triton_kernel(device: str):
+    """``kernels.topk_triton`` on CUDA where triton imports, else None (the column is skipped)."""
+    if device != "cuda":
+        return None
+    try:
+        from hisparse_ray.kernels import topk_triton
+    except ImportError:
+        return None
+    return topk_triton
+
+
+def scores(B: int, N: int, zeros: float, fill: float, device: str,
+           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [B, N] fp32, -inf past each row's length; lengths [B] int32)."""
     g = torch.Generator().manual_seed(seed)
     s = torch.rand(B, N, generator=g) + 1e-3
     s = torch.where(torch.rand(B, N, generator=g) < zeros, 0.0, s)
-    lengths = (torch.rand(B, generator=g) * (1 - fill) + fill) * N
-    s = s.masked_fill(torch.arange(N)[None] >= lengths.long()[:, None], float("-inf"))
-    return s.to(device)
+    lengths = ((torch.rand(B, generator=g) * (1 - fill) + fill) * N).long()
+    s = s.masked_fill(torch.arange(N)[None] >= lengths[:, None], float("-inf"))
+    return s.to(device), lengths.to(device=device, dtype=torch.int32)
 
 
 def timed(fn, repeats: int, device: str) -> float:
@@ -75,20 +91,34 @@ def main() -> int:
     rows = []
     print(f"device {a.device} ({torch.cuda.get_device_name() if a.device == 'cuda' else platform.processor() or 'cpu'}), "
           f"torch {torch.__version__}, k {a.k}, {a.ties:.0%} tied zeros, threads {torch.get_num_threads()}")
-    print(f"{'batch':>5} {'context':>8} {'select_topk ms':>15} {'fast ms':>9} {'ratio':>6} {'int64 keys MB':>13}")
+    kern = triton_kernel(a.device)
+    print(f"{'batch':>5} {'context':>8} {'select_topk ms':>15} {'fast ms':>9} {'ratio':>6} "
+          f"{'triton ms':>10} {'vs fast':>8} {'int64 keys MB':>13}")
     for B, N in shapes:
-        s = scores(B, N, a.ties, a.fill, a.device)
+        s, lengths = scores(B, N, a.ties, a.fill, a.device)
         want, got = select_topk(s, a.k), select_topk_fast(s, a.k)
         if not torch.equal(want, got):
             raise AssertionError(f"outputs differ at batch {B}, context {N}")
         t_ref = timed(lambda: select_topk(s, a.k), a.repeats, a.device)
         t_fast = timed(lambda: select_topk_fast(s, a.k), a.repeats, a.device)
+        t_tri = None
+        if kern is not None:
+            out = torch.empty(B, a.k, dtype=torch.int32, device=a.device)
+            kern.select_positions(s, a.k, lengths=lengths, out=out)
+            if not torch.equal(out.long(), in_position_order(want)):
+                raise AssertionError(f"the Triton kernel differs at batch {B}, context {N}")
+            t_tri = timed(lambda: kern.select_positions(s, a.k, lengths=lengths, out=out),
+                          a.repeats, a.device)
         row = dict(batch=B, context=N, k=a.k, ties=a.ties, device=a.device,
                    select_topk_ms=t_ref * 1e3, fast_ms=t_fast * 1e3, ratio=t_ref / t_fast,
+                   triton_ms=None if t_tri is None else t_tri * 1e3,
+                   triton_vs_fast=None if t_tri is None else t_fast / t_tri,
                    int64_key_mb=B * N * 8 / 1e6)
         rows.append(row)
+        tri = "-" if t_tri is None else f"{row['triton_ms']:.3f}"
+        vs = "-" if t_tri is None else f"{row['triton_vs_fast']:.2f}"
         print(f"{B:>5} {N:>8} {row['select_topk_ms']:>15.3f} {row['fast_ms']:>9.3f} "
-              f"{row['ratio']:>6.2f} {row['int64_key_mb']:>13.1f}")
+              f"{row['ratio']:>6.2f} {tri:>10} {vs:>8} {row['int64_key_mb']:>13.1f}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))

@@ -2,8 +2,8 @@
 process: the coordinator encodes and writes ONE command (``command send``), each rank reads and
 decodes it from the broadcast ring (``command recv``, per rank), a rank encodes and writes its
 report (``report send``), the coordinator reads and decodes it (``report recv``). The step codec
-(``msgspec``, typed, stateless) through the rings' C ops (``hisparse_ray.channel._ring``, where
-built) and through their Python ops, against plain pickle through Python rings (the baseline).
+(``msgspec``, typed, stateless) against plain pickle (the baseline), both through the Python
+rings.
 
 A real decode step runs each stage right after code that evicts the caches (the model's forward on
 the ranks, the scheduler on the coordinator); on the H200 that made Python stages 3-5x slower than
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from hisparse_ray.channel.codec import PickleCodec, StepCodec
-from hisparse_ray.channel.ring import NATIVE, ShmRing
+from hisparse_ray.channel.ring import ShmRing
 from hisparse_ray.types import (
     Backup, BatchRow, Rank, RequestHandle, RequestId, StepCommand, StepReport,
 )
@@ -52,7 +52,7 @@ def report(step: int, rows: int) -> StepReport:
                       published=step)
 
 
-def run(codec, native: bool, cold: bool, steps: int, tp: int, rows: int) -> dict[str, float]:
+def run(codec, cold: bool, steps: int, tp: int, rows: int) -> dict[str, float]:
     """Median microseconds per stage (``command recv``: each rank's, pooled)."""
     scratch, xs = torch.empty(4 << 20), torch.ones(64)
 
@@ -62,10 +62,10 @@ def run(codec, native: bool, cold: bool, steps: int, tp: int, rows: int) -> dict
         for _ in range(100):
             xs = xs * 1.0001 + 1
 
-    cmd_out = ShmRing.create("writer", readers=tp, codec=codec, native=native)
-    cmd_in = [ShmRing.attach(cmd_out.spec_for(r), codec=codec, native=native) for r in range(tp)]
-    rep_in = ShmRing.create("reader", codec=codec, native=native)
-    rep_out = ShmRing.attach(rep_in.spec, codec=codec, native=native)
+    cmd_out = ShmRing.create("writer", readers=tp, codec=codec)
+    cmd_in = [ShmRing.attach(cmd_out.spec_for(r), codec=codec) for r in range(tp)]
+    rep_in = ShmRing.create("reader", codec=codec)
+    rep_out = ShmRing.attach(rep_in.spec, codec=codec)
     times: dict[str, list[float]] = {k: [] for k in STAGES}
     pc = time.perf_counter
     try:
@@ -98,13 +98,12 @@ def main() -> int:
     torch.set_num_threads(1)
     sizes = {"command bytes": len(StepCodec().dumps(command(1, args.rows))),
              "report bytes": len(StepCodec().dumps(report(1, args.rows)))}
-    impls = [("msgspec+C", StepCodec(), True)] if NATIVE is not None else []
-    impls += [("msgspec+py", StepCodec(), False), ("pickle+py", PickleCodec(), False)]
+    impls = [("msgspec+py", StepCodec()), ("pickle+py", PickleCodec())]
     rows = {}
-    for name, codec, native in impls:
+    for name, codec in impls:
         for cold in (False, True):
-            rows[f"{name} {'cold' if cold else 'warm'}"] = run(codec, native, cold, args.steps,
-                                                               args.tp, args.rows)
+            rows[f"{name} {'cold' if cold else 'warm'}"] = run(codec, cold, args.steps, args.tp,
+                                                               args.rows)
     # the step's critical path: one command send, the slower rank's recv, one report each way
     crit = {k: sum(v.values()) for k, v in rows.items()}
     print(f"per-step wire stages at TP {args.tp}, median us ({args.steps} steps, {args.rows} rows; "
@@ -113,15 +112,13 @@ def main() -> int:
     print(f"{'impl (+ring)':<16}" + "".join(f"{s:>14}" for s in STAGES) + f"{'sum':>10}")
     for k, v in rows.items():
         print(f"{k:<16}" + "".join(f"{v[s]:>14.1f}" for s in STAGES) + f"{crit[k]:>10.1f}")
-    if NATIVE is None:
-        print("hisparse_ray.channel._ring is not built: Python rings only")
     for c in ("warm", "cold"):
-        for name, _, _ in impls[:-1]:
+        for name, _ in impls[:-1]:
             print(f"{name} / pickle+py, {c}: {crit[f'{name} {c}'] / crit[f'pickle+py {c}']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": args.steps,
-        "tp": args.tp, "rows": args.rows, "c_ring_built": NATIVE is not None, **sizes,
+        "tp": args.tp, "rows": args.rows, **sizes,
         "median_us": rows}, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -8,6 +8,14 @@
 #                                          # select_topk_fast on CUDA + bench_topk (~6-9 min)
 #   bash benchmarks/fast_gpu.sh big        # < 9 min: where the batch-1 step's time goes
 #                                          # (profile_step.py), 64K capacity, 16K/64K/128K prefill
+#   bash benchmarks/fast_gpu.sh triton     # < 8 min: the Triton kernels' gpu tests (top-k, RMSNorm)
+#                                          # + the fast path's exactness tests, bench_topk, and the
+#                                          # batch-1 32K step profiled with the kernels off, then on
+#                                          # (HISPARSE_TRITON_TOPK / _NORM), same call
+#   bash benchmarks/fast_gpu.sh glue       # < 9 min: the compiled glue's gpu exactness test, then the
+#                                          # same step profiled with the Triton kernels on, glue
+#                                          # eager vs compiled (HISPARSE_COMPILE_GLUE=1:
+#                                          # FastPathConfig.compile_glue in the benchmark stack)
 #   bash benchmarks/fast_gpu.sh final      # < 6.5 min: fast-path + exactness gpu tests, 32K + 128K
 #                                          # capacity (few steps) and a 16K prefill, time-boxed each
 # Carry .device-wheels/kernels (sglang-kernel 0.4.6, sgl-deep-gemm, apache-tvm-ffi).
@@ -28,6 +36,14 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/n
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, sgl_kernel.flash_mla, deep_gemm; print('torch', torch.__version__, 'flash_mla ok, deep_gemm ok')" 2>&1 | tail -2 | tee -a "$OUT/gpu.txt"
 free -g | head -2 | tee -a "$OUT/gpu.txt"
+profile() {  # profile() TOPK NORM GLUE: the batch-1 32K HiSparse step, Triton kernels / compiled glue
+  local d="$OUT/profile_topk$1_norm$2_glue$3"
+  mkdir -p "$d"
+  HISPARSE_TRITON_TOPK=$1 HISPARSE_TRITON_NORM=$2 HISPARSE_COMPILE_GLUE=$3 timeout 170 \
+    python3 benchmarks/profile_step.py --context 32768 --modes hisparse --out "$d" > "$d/profile_step.log" 2>&1
+  echo "profile (HISPARSE_TRITON_TOPK=$1 HISPARSE_TRITON_NORM=$2 HISPARSE_COMPILE_GLUE=$3) rc=$?"
+  grep -v -E "^USDT|profiler_st" "$d/profile_step.log" | tail -14
+}
 case "${1:-check}" in
   check)
     timeout 330 python3 -m pytest -q -p no:cacheprovider -s -rA tests/fastpath/test_fast_gpu.py \
@@ -49,6 +65,23 @@ case "${1:-check}" in
     echo "moe/topk pytest rc=$?"
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|MoE|passed|failed|Error" "$OUT/moe_topk.log" | tail -20
     timeout 50 python3 benchmarks/bench_topk.py --repeats 5 --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log"
+    ;;
+  triton)
+    timeout 150 python3 -m pytest -v -p no:cacheprovider -rA -m gpu tests/kernels/test_topk_triton.py \
+      tests/kernels/test_norm_triton.py tests/fastpath/test_topk.py tests/fastpath/test_fast_gpu.py \
+      > "$OUT/triton_tests.log" 2>&1
+    echo "pytest rc=$?"
+    grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/triton_tests.log" | tail -30
+    timeout 50 python3 benchmarks/bench_topk.py --repeats 5 --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log"
+    for flags in "0 0 0" "1 1 0"; do profile $flags; done
+    ;;
+  glue)
+    timeout 150 python3 -m pytest -v -p no:cacheprovider -rA -s \
+      "tests/fastpath/test_fast_gpu.py::test_compiled_glue_equals_full_resident_and_matches_reference" \
+      > "$OUT/glue_tests.log" 2>&1
+    echo "pytest rc=$?"
+    grep -E "(PASSED|FAILED|ERROR)|compiled glue|passed|failed" "$OUT/glue_tests.log" | tail -10
+    for flags in "1 1 0" "1 1 1"; do profile $flags; done
     ;;
   final)
     timeout 110 python3 -m pytest -v -p no:cacheprovider -rA tests/fastpath/test_fast_gpu.py \

@@ -148,12 +148,9 @@ case "${1:-run}" in
           tests/host/test_ray.py "tests/e2e/test_gpu.py::test_tp2_landings_spills_restores_backups_match_full_resident" \
           2>&1 | tee "$OUT/b23_tests.log" | grep -E "passed|failed|FAILED|Error|^tp2" | tail -12
         timeout 15 python3 benchmarks/bench_wire.py --tp 2 --steps 200 --out "$OUT/wire_b23.json" 2>&1 | tail -11
-        # the Python ring first: if it meets the target, _ring.c can go; then the C ring
-        for r in python native; do
-          timeout 50 python3 benchmarks/bench_control_plane.py --only control --probes 200 --ring "$r" \
-            --out "$OUT/control_plane_b23_$r.json" > "$OUT/control_plane_b23_$r.log" 2>&1
-          grep -E "$keep|^stages" "$OUT/control_plane_b23_$r.log" | tail -7
-        done
+        timeout 50 python3 benchmarks/bench_control_plane.py --only control --probes 200 \
+          --out "$OUT/control_plane_b23.json" > "$OUT/control_plane_b23.log" 2>&1
+        grep -E "$keep|^stages" "$OUT/control_plane_b23.log" | tail -7
         exit 0 ;;
       control)  # ~3 min: the wire bench and the actor system's control plane
         timeout 60 python3 benchmarks/bench_wire.py --out "$OUT/wire.json" 2>&1 | tail -9

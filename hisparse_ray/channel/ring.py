@@ -8,14 +8,16 @@ put them together. A ``/dev/shm`` segment holds a ring of length-prefixed encode
 blocks on a futex (woken by the other side's next publish or read; timed slices bound a lost
 wake-up and notice a dead peer); without futex support it sleeps with backoff.
 
-Ring ops in C: a frame's write + publish + wake and its read + free + wake run in
-``hisparse_ray.channel._ring`` where it is built (``setup.py``; any C compiler), one call each
-instead of ~20 interpreted lines; the same frames and protocol, so C and Python ends
-interoperate. ``HISPARSE_NATIVE_RING=0`` (or ``native=False``) keeps a ring in Python.
+The ring ops are Python. C ring ops (a frame's write + publish + wake and read + free + wake in
+one call each) were measured and removed (issue #16 B3): on the H200 the Python ring already
+meets the control-plane target at TP 2 (real-step overhead 78.3 us median / 101.6 us p90 against
+<= 100 / <= 150 us; the C ops gave 55.5 / 92.5). Their removal waited on the Python ring's
+corrupt frames, found on 2026-12-01: ``struct.pack_into`` zero-fills before it packs (``_store``).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import mmap
 import os
@@ -30,7 +32,6 @@ from hisparse_ray.channel.futex import futex_available, futex_wait, futex_wake
 from hisparse_ray.channel.spec import (  # noqa: F401  (re-exported: the rings' public surface)
     DEFAULT_PREFIX, SHM_DIR, ChannelSpec, Role, WaitPolicy, cleanup_stale_segments, pid_alive,
 )
-from hisparse_ray.config import env_flag
 from hisparse_ray.errors import (
     ChannelClosedError,
     ChannelError,
@@ -53,19 +54,6 @@ _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _LINE3 = struct.Struct("<QQQ")  # a line's position, pid and closed flag
 
-def _load_native():
-    """The C ring ops, or None (not built, or switched off with HISPARSE_NATIVE_RING=0)."""
-    if not env_flag("HISPARSE_NATIVE_RING", True):
-        return None
-    try:
-        from hisparse_ray.channel import _ring
-    except ImportError:
-        return None
-    return _ring
-
-
-NATIVE = _load_native()
-
 
 def _data_offset(readers: int) -> int:
     return _READER + 64 * readers
@@ -79,7 +67,9 @@ class ShmRing:
     reader i consumes it by advancing its own ``read_pos[i]``; the writer reuses bytes only once
     the slowest reader is past them. Invariants: ``0 <= write_pos - read_pos[i] <= capacity``
     for every i; every reader sees every message, in order, once (it checks ``seq``). Relies on
-    the x86-64 store order (TSO) for publication. Wake-ups: a blocked side raises its
+    the x86-64 store order (TSO) for publication, and on every shared word (positions, flags,
+    pids) being read and written whole: one 8-byte load or store through a u64 memoryview
+    (``_load`` / ``_store``; ``struct.pack_into`` zero-fills first, a peer could read 0). Wake-ups: a blocked side raises its
     ``waiting`` word and futex-waits on the low 32 bits of the position it waits for (a reader:
     ``write_pos``; the writer: the slowest reader's ``read_pos``); the other side, after moving
     that position, wakes it if the word is up. Both put a full fence (a lock round trip) between
@@ -94,8 +84,7 @@ class ShmRing:
     """
 
     def __init__(self, name: str, role: Role, index: int, fd: int, mm: mmap.mmap, capacity: int,
-                 readers: int, creator: bool, policy: WaitPolicy, codec: Codec | None,
-                 native: bool | None = None) -> None:
+                 readers: int, creator: bool, policy: WaitPolicy, codec: Codec | None) -> None:
         self.name, self.role, self.index = name, role, index
         self.capacity, self.readers = capacity, readers
         self._fd, self._mm, self._creator, self._policy = fd, mm, creator, policy
@@ -104,16 +93,15 @@ class ShmRing:
         self._line = _WRITER if role == "writer" else _READER + 64 * index
         self._reader_lines = tuple(_READER + 64 * i for i in range(readers))
         self._seq = 0
+        # every shared word through this u64 view: one 8-byte store each (see _store)
+        self._words = memoryview(mm).cast("Q")
         self._pos = self._load(self._line + _POS)
         self._store(self._line + _PID, os.getpid())
         self._closed = False
         self.ready_t = 0.0  # reader: perf_counter() when the last message was found (tracing)
+        self._seen: collections.deque = collections.deque(maxlen=8)  # (pos, writer pos) per recv
         self._fence_lock = threading.Lock()
         self._futex = policy.futex and futex_available()
-        if native and NATIVE is None:
-            raise ValueError("native=True, but hisparse_ray.channel._ring is not built or is "
-                             "switched off (HISPARSE_NATIVE_RING=0)")
-        self._native = NATIVE if native is None or native else None  # C ring ops, or None
         probe = ctypes.c_char.from_buffer(mm)  # the mapping's address (it never moves)
         self._base = ctypes.addressof(probe)
         del probe  # drop the buffer export so that close() can unmap
@@ -123,11 +111,10 @@ class ShmRing:
     @classmethod
     def create(cls, role: Role, capacity: int = DEFAULT_CAPACITY, *, readers: int = 1,
                prefix: str = DEFAULT_PREFIX, policy: WaitPolicy | None = None,
-               codec: Codec | None = None, native: bool | None = None) -> ShmRing:
+               codec: Codec | None = None) -> ShmRing:
         """Create a new segment and take ``role`` (a creating reader is reader 0 and needs
         ``readers == 1``); ``capacity`` bytes of ring (multiple of 8). ``codec`` (every end must
-        agree) defaults to ``StepCodec``: ``StepCommand`` and ``StepReport`` only. ``native``:
-        this end's ring ops in C (None: where built and not switched off)."""
+        agree) defaults to ``StepCodec``: ``StepCommand`` and ``StepReport`` only."""
         if role not in ("writer", "reader"):
             raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
         if capacity < 64 or capacity % 8:
@@ -150,12 +137,11 @@ class ShmRing:
         mm[0:8] = _MAGIC
         _U64.pack_into(mm, _OFF_CAPACITY, capacity)
         _U64.pack_into(mm, _OFF_READERS, readers)
-        return cls(name, role, 0, fd, mm, capacity, readers, True, policy or WaitPolicy(), codec,
-                   native)
+        return cls(name, role, 0, fd, mm, capacity, readers, True, policy or WaitPolicy(), codec)
 
     @classmethod
     def attach(cls, spec: ChannelSpec, *, policy: WaitPolicy | None = None,
-               codec: Codec | None = None, native: bool | None = None) -> ShmRing:
+               codec: Codec | None = None) -> ShmRing:
         """Map the segment ``spec`` names and take the other role (as reader ``spec.reader``
         when the creator writes); the last end to map unlinks the name."""
         path = os.path.join(SHM_DIR, spec.name)
@@ -179,7 +165,7 @@ class ShmRing:
             os.close(fd)
             raise ChannelError(f"{role} {index} of this ring is already attached", spec.name)
         ring = cls(spec.name, role, index, fd, mm, spec.capacity, spec.readers, False,
-                   policy or WaitPolicy(), codec, native)
+                   policy or WaitPolicy(), codec)
         ring._fence()
         if ring._load(_WRITER + _PID) and all(ring._load(o + _PID) for o in ring._reader_lines):
             ring.unlink()  # every end is mapped
@@ -212,6 +198,7 @@ class ShmRing:
             futex_wake(self._base + _WRITER + _POS)
             for off in self._reader_lines:
                 futex_wake(self._base + off + _POS)
+        self._words.release()
         self._mm.close()
         os.close(self._fd)
         if self._creator:
@@ -226,11 +213,6 @@ class ShmRing:
     # -- messages --------------------------------------------------------------------------
 
     @property
-    def native(self) -> bool:
-        """Whether this end's ring ops run in C."""
-        return self._native is not None
-
-    @property
     def max_message_bytes(self) -> int:
         """Largest encoded payload that fits the ring."""
         return self.capacity - _FRAME.size
@@ -241,25 +223,6 @@ class ShmRing:
         ``ChannelTimeoutError``, ``ChannelClosedError`` (a reader closed) or
         ``ChannelPeerLostError`` (a reader that blocks the ring died)."""
         self._check_role("writer")
-        ring = self._native
-        if ring is not None:
-            payload = self._codec.dumps(obj)
-            if len(payload) > self.capacity - _FRAME.size:
-                raise MessageTooLargeError(len(payload), self.max_message_bytes, self.name)
-            while True:
-                got = ring.send(self._mm, self.capacity, self.readers, self._pos, self._seq,
-                                payload, self._futex)
-                if got is None:  # the slowest reader leaves no room: wait, then write
-                    pos, cap, load, lines = self._pos, self.capacity, self._load, self._reader_lines
-                    frame = _FRAME.size + ((len(payload) + 7) & ~7)
-                    self._wait(lambda: cap - (pos - min(load(o + _POS) for o in lines)) >= frame,
-                               timeout, "no room in the ring")
-                    continue
-                if got < 0:
-                    raise ChannelClosedError("a reader closed its end", self.name)
-                self._pos = got
-                self._seq += 1
-                return
         mm, lines, line3 = self._mm, self._reader_lines, _LINE3.unpack_from
         low = None
         for off in lines:  # one read per reader: its position, pid and closed flag
@@ -286,7 +249,7 @@ class ShmRing:
             self._put(pos, _FRAME.pack(n, self._seq) + payload)
         self._pos = pos + frame
         self._seq += 1
-        _U64.pack_into(mm, _WRITER + _POS, self._pos)  # publish
+        self._words[_WRITER >> 3] = self._pos  # publish (one 8-byte store: see _store)
         if self._futex:  # wake the readers blocked on write_pos
             self._fence()
             for off in lines:
@@ -301,25 +264,16 @@ class ShmRing:
         for a corrupt frame or an unreadable message (never a crash, never a silent misread)."""
         self._check_role("reader")
         pos, mm, load = self._pos, self._mm, self._load
-        ring = self._native
-        if ring is not None:
-            try:
-                got = ring.recv(mm, self.capacity, self.readers, self.index, pos, self._seq,
-                                self._futex)
-                if got is None:
-                    self._wait(lambda: load(_WRITER + _POS) != pos, timeout, "no message")
-                    got = ring.recv(mm, self.capacity, self.readers, self.index, pos, self._seq,
-                                    self._futex)
-            except ValueError as err:
-                raise ChannelError(str(err), self.name) from None
-            self.ready_t = time.perf_counter()
-            payload, self._pos = got
-            self._seq += 1
-            return self._load_payload(payload)
-        if load(_WRITER + _POS) == pos:
+        w = load(_WRITER + _POS)
+        if w == pos:
             self._wait(lambda: load(_WRITER + _POS) != pos, timeout, "no message")
+            w = load(_WRITER + _POS)
         self.ready_t = time.perf_counter()
         cap, data = self.capacity, self._data
+        self._seen.append((pos, w))
+        if not 0 < w - pos <= cap:  # the writer is behind this reader, or a lap ahead
+            raise ChannelError(f"ring positions out of order: writer at {w}, reader at {pos} "
+                               f"(capacity {cap}); {self._where(pos)}", self.name)
         off = pos % cap
         if off + _FRAME.size <= cap:
             length, seq = _FRAME.unpack_from(mm, data + off)
@@ -327,7 +281,7 @@ class ShmRing:
             length, seq = _FRAME.unpack(self._get(pos, _FRAME.size))
         if seq != self._seq or length > cap - _FRAME.size:
             raise ChannelError(f"corrupt frame: seq {seq} (expected {self._seq}), "
-                               f"length {length}", self.name)
+                               f"length {length}; {self._where(pos)}", self.name)
         start = off + _FRAME.size
         if start + length <= cap:
             payload = mm[data + start:data + start + length]
@@ -336,12 +290,25 @@ class ShmRing:
         self._pos = pos + _FRAME.size + ((length + 7) & ~7)
         self._seq += 1
         line = self._line
-        _U64.pack_into(mm, line + _POS, self._pos)  # free the frame before decoding
+        self._words[line >> 3] = self._pos  # free the frame before decoding
         if self._futex:
             self._fence()
             if load(_WRITER + _WAITING):
                 futex_wake(self._base + line + _POS)
         return self._load_payload(payload)
+
+    def _where(self, pos: int) -> str:
+        """(error path) Where a corrupt frame was met: this reader's position, the writer's
+        position now, the header at ``pos`` read again, and where a header with the expected
+        sequence number lies, if anywhere (diagnoses a lost publish from a misplaced frame)."""
+        cap, data, want = self.capacity, self._data, self._seq
+        again = _FRAME.unpack(self._get(pos, _FRAME.size))
+        hits = [o for o in range(0, cap - _FRAME.size + 1, 8)
+                if _FRAME.unpack_from(self._mm, data + o)[1] == want
+                and 0 < _FRAME.unpack_from(self._mm, data + o)[0] <= cap][:4]
+        return (f"read at {pos} (offset {pos % cap}), writer at {self._load(_WRITER + _POS)}, "
+                f"header there now (length, seq) = {again}, seq {want} found at offsets {hits}, "
+                f"last (reader, writer) positions seen {list(self._seen)}")
 
     def _load_payload(self, payload: bytes) -> Any:
         try:
@@ -381,10 +348,15 @@ class ShmRing:
             raise ChannelError(f"this end is a {self.role}; cannot act as a {role}", self.name)
 
     def _load(self, off: int) -> int:
-        return _U64.unpack_from(self._mm, off)[0]
+        return self._words[off >> 3]
 
     def _store(self, off: int, value: int) -> None:
-        _U64.pack_into(self._mm, off, value)
+        """One 8-byte store of a shared word (``off`` 8-byte aligned). Never ``struct.pack_into``
+        on a word a peer reads: CPython zero-fills its destination before packing, so a peer can
+        read 0 in between (a published position that reads 0 looked like a new frame to a
+        reader: the Python ring's corrupt-frame failures of 2026-12-01). A memoryview item
+        assignment is one ``memcpy`` of 8 bytes (``tests/channel/test_ring_words.py``)."""
+        self._words[off >> 3] = value
 
     def _put(self, pos: int, data: bytes) -> None:
         off, n, mm, base = pos % self.capacity, len(data), self._mm, self._data

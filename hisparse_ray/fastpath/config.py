@@ -45,6 +45,10 @@ class FastPathConfig:
         requests of ``max_context`` positions, grown on demand). At least one request of
         ``max_context`` positions; a request that lands while the others hold the rest fails its
         landing (CapacityError) and frees what it held.
+    compile_glue: ``torch.compile`` the per-layer torch work between the library kernels (norms,
+        projections, rope, casts, the dense MLP; :mod:`hisparse_ray.fastpath.glue`): fused
+        kernels instead of ~150 small launches a layer. Compiles during a bucket's first step
+        (one graph per function for every layer; seconds to minutes once per process).
     """
 
     max_context: int = 4096
@@ -54,6 +58,7 @@ class FastPathConfig:
     logits: str = "auto"
     cuda_graphs: bool = True
     index_pages: int | None = None
+    compile_glue: bool = False
 
     def __post_init__(self) -> None:
         _pos_int("max_context", self.max_context)
@@ -78,6 +83,8 @@ class FastPathConfig:
                 raise ConfigError("index_pages", self.index_pages,
                                   f"must hold one request of max_context={self.max_context} "
                                   f"positions ({self.index_pages_per_request} pages of {INDEX_PAGE})")
+        if not isinstance(self.compile_glue, bool):
+            raise ConfigError("compile_glue", self.compile_glue, "must be a bool")
 
     @property
     def max_batch(self) -> int:

@@ -4,10 +4,10 @@ over static device buffers, captured in one CUDA graph per batch-size bucket.
 Per layer: norm + MLA projections, the newest KV row encoded (bf16 or fp8 rows) into its write
 row, the indexer's newest key into the paged key pool, the indexer's logits over the pool
 (DeepGEMM's fp8 paged logits or the torch reference), the deterministic top-k
-(:func:`~hisparse_ray.model.indexer.select_topk`'s rule, computed by
-:func:`~hisparse_ray.fastpath.topk.select_topk_fast`), the resolver (hot buffer / host misses /
-resident rows), sparse MLA attention over the resolved rows (FlashMLA or the torch reference),
-``W_uv`` + ``o_proj`` (+ the TP all-reduce), the MLP. Then the final norm, ``lm_head`` and argmax.
+(:func:`~hisparse_ray.model.indexer.select_topk`'s set, in position order:
+:func:`~hisparse_ray.fastpath.topk.select_topk_positions`, one Triton kernel on CUDA), the
+resolver (hot buffer / host misses / resident rows), sparse MLA attention over the resolved rows
+(FlashMLA or the torch reference), ``W_uv`` + ``o_proj`` (+ the TP all-reduce), the MLP. Then the final norm, ``lm_head`` and argmax.
 Hot-buffer hits and misses are counted on the device.
 
 Static state: :class:`~hisparse_ray.fastpath.inputs.StepInputs` (filled by host work before each
@@ -30,6 +30,7 @@ from torch import Tensor
 
 from hisparse_ray import kernels
 from hisparse_ray.fastpath.config import INDEX_PAGE, FastPathConfig
+from hisparse_ray.fastpath.glue import Glue
 from hisparse_ray.fastpath.index_keys import PagedIndexKeys
 from hisparse_ray.fastpath.inputs import StepInputs
 from hisparse_ray.fastpath.layer import (
@@ -37,9 +38,9 @@ from hisparse_ray.fastpath.layer import (
 )
 from hisparse_ray.kernels import deepgemm, flashmla
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
-from hisparse_ray.fastpath.topk import select_topk_fast
+from hisparse_ray.fastpath.topk import select_topk_positions
 from hisparse_ray.fastpath.moe import ROWS, moe_step
-from hisparse_ray.model.layers import MoE
+from hisparse_ray.model.layers import MoE, fused_norms
 from hisparse_ray.model.rope import inv_freq_and_scale
 
 
@@ -81,6 +82,7 @@ class FastDecodeStep:
         inv, self.rope_factor = inv_freq_and_scale(m)
         self.inv_freq = inv.to(dev)
         self.topk_override: Tensor | None = None  # [L, Bmax, K] int32: benchmarks' top-k traces
+        self.glue = Glue.build(cfg.compile_glue)  # the per-layer torch work, compiled or eager
         self.attention = choose_attention(cfg, model, codec, dev)
         self.logits_kind = choose_logits(cfg, model, keys, dev)
         if self.attention == "flashmla" and codec.kind == "fp8" and rows % 64:
@@ -142,6 +144,11 @@ class FastDecodeStep:
 
     @torch.no_grad()
     def _body(self, B: int) -> None:
+        # one Triton kernel per RMSNorm on CUDA, unless the glue is compiled (inductor fuses them)
+        with fused_norms(self.device.type == "cuda" and not self.glue.compiled):
+            self._layers(B)
+
+    def _layers(self, B: int) -> None:
         model, rt, inp, codec = self.model, self.rt, self.inputs, self.codec
         meta = self._metadata(B)  # outside the captured work: computed on the first (eager) run
         ids = inp.view("ids", B)[:, 0].long()
@@ -157,25 +164,23 @@ class FastDecodeStep:
         cos = (ROWS.each(torch.cos, freqs) * self.rope_factor).to(dt)  # per row on the CPU
         sin = (ROWS.each(torch.sin, freqs) * self.rope_factor).to(dt)
         sched = deepgemm.schedule(seq) if self.logits_kind == "deepgemm" else None
+        glue = self.glue
         h = model.model.embed_tokens(ids)
         for l, layer in enumerate(model.model.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q_full, q_resid, row = attn.project(x, cos, sin)
+            x, q_full, q_resid, row = glue.pre_attention(layer, h, cos, sin)
             rt.device_kv[l][write] = codec.encode(row)
             a = rt.anchor_of[l]
             out_rows, plan = self.out_rows[a][:B], self.plan[a][:B]
             if a == l:
                 ix = attn.indexer
                 i = self.keys.slot[l]
-                self.keys.write(i, iwrite, ix.keys(x, cos, sin))
-                q, w = ix.queries(x, q_resid, cos, sin)
+                key, q, w = glue.index_inputs(ix, x, q_resid, cos, sin)
+                self.keys.write(i, iwrite, key)
                 logits = index_logits(self.logits_kind, self.keys, i, ix, q, w, itable, seq, sched)
                 topk = self.topk_all[self.slot_of[l], :B]
-                if self.topk_override is None:
-                    topk.copy_(select_topk_fast(logits, self.K))
-                else:
-                    select_topk_fast(logits, self.K)  # timed, then replaced by the trace
+                select_topk_positions(logits, self.K, lengths=seq, out=topk)
+                if self.topk_override is not None:  # timed above, then replaced by the trace
                     topk.copy_(torch.where(valid[:, None], self.topk_override[l][:B], -1))
                 kernels.resolve(
                     top_k=topk, seq_lens=seq, state_idx=state, slot_pos=rt.slot_pos[l], lru=rt.lru[l],
@@ -189,12 +194,14 @@ class FastDecodeStep:
                 out = attend_flashmla(attn, q_full, rt.device_kv[l], out_rows, valid, codec, meta)
             else:
                 out = attend_reference(attn, q_full, rt.device_kv[l], out_rows, valid, codec)
-            h = h + out
-            x = layer.post_attention_layernorm(h)
-            h = h + (moe_step(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x, ROWS))
-        logits = model.lm_head(model.model.norm(h)).float()
+            if isinstance(layer.mlp, MoE):
+                h = h + out
+                h = h + moe_step(layer.mlp, layer.post_attention_layernorm(h))
+            else:
+                h = glue.post_attention(layer, h, out)
+        logits, tokens = glue.head(model, h)
         self.logits[:B].copy_(logits)
-        self.tokens[:B].copy_(logits.argmax(-1))
+        self.tokens[:B].copy_(tokens)
         self._count(B, seq, resident)
 
     def _count(self, B: int, seq: Tensor, resident: Tensor) -> None:

@@ -22,14 +22,24 @@ Per key of a row that is a 32-bit top-k, one compare and one int32 scan instead 
 ranking int64 keys; everything is static-shaped and sync-free (capturable in a CUDA graph).
 ``benchmarks/bench_topk.py`` measures both; ``tests/fastpath/test_topk.py`` proves the outputs
 identical on tie-heavy inputs.
+
+The fast decode step calls :func:`select_topk_positions`: the same selected set **in ascending
+position order** (``-1`` padded at the end), by one Triton kernel on CUDA
+(:mod:`hisparse_ray.kernels.topk_triton`: radix select, then one compaction pass; no sort) and
+by ``select_topk_fast`` + a sort of the k positions elsewhere, so the step's output never depends
+on which ran. Both decode modes read the rows in that same order: HiSparse still equals
+full-resident bit for bit.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hisparse_ray.config import env_flag
 from hisparse_ray.model.indexer import NEG_INF_KEY_BOUND
 
 
@@ -66,4 +76,43 @@ def select_topk_fast(scores: Tensor, k: int) -> Tensor:
     out = out.masked_fill(top < NEG_INF_KEY_BOUND, -1)
     if kk < k:
         out = F.pad(out, (0, k - kk), value=-1)
+    return out
+
+
+def in_position_order(top: Tensor) -> Tensor:
+    """``[..., k]`` positions with ``-1`` padding (any order) -> ascending positions, ``-1`` last."""
+    big = torch.iinfo(top.dtype).max
+    pos = torch.where(top < 0, big, top).sort(-1).values
+    return torch.where(pos == big, -1, pos)
+
+
+@functools.cache
+def _triton_kernel():
+    """``kernels.topk_triton`` where triton imports and ``HISPARSE_TRITON_TOPK`` is not 0."""
+    if not env_flag("HISPARSE_TRITON_TOPK", True):
+        return None
+    try:
+        from hisparse_ray.kernels import topk_triton
+    except ImportError:
+        return None
+    return topk_triton
+
+
+def select_topk_positions(scores: Tensor, k: int, *, lengths: Tensor | None = None,
+                          out: Tensor | None = None) -> Tensor:
+    """The fast step's top-k: ``scores [B, N]`` fp32 (no NaN), ``lengths [B]`` or None (keys at
+    and past a row's length are ignored) -> ``[B, k]`` (``out``, int32/int64, written in place;
+    else new int64): ``select_topk``'s selected positions in ascending order, then ``-1``. The
+    Triton kernel on CUDA where triton imports (``HISPARSE_TRITON_TOPK=0`` switches it off),
+    else ``select_topk_fast`` and a sort; the two agree exactly."""
+    kern = _triton_kernel() if scores.is_cuda else None
+    if kern is not None:
+        return kern.select_positions(scores, k, lengths=lengths, out=out)
+    if lengths is not None:
+        pos = torch.arange(scores.shape[-1], device=scores.device)
+        scores = scores.masked_fill(pos[None, :] >= lengths[:, None], float("-inf"))
+    got = in_position_order(select_topk_fast(scores, k))
+    if out is None:
+        return got
+    out.copy_(got)
     return out

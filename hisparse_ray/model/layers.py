@@ -16,13 +16,48 @@ Facts from transformers 5.23.0:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from contextvars import ContextVar
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hisparse_ray.config import env_flag
 from hisparse_ray.errors import ConfigError
 from hisparse_ray.model.config import DSAConfig
 from hisparse_ray.model.rowmath import RowMath
+
+
+_FUSED_NORMS: ContextVar[bool] = ContextVar("hisparse_fused_norms", default=False)
+
+
+@functools.cache
+def _norm_kernel():
+    """``kernels.norm_triton`` where triton imports and ``HISPARSE_TRITON_NORM`` is not 0."""
+    if not env_flag("HISPARSE_TRITON_NORM", True):
+        return None
+    try:
+        from hisparse_ray.kernels import norm_triton
+    except ImportError:
+        return None
+    return norm_triton
+
+
+@contextlib.contextmanager
+def fused_norms(on: bool = True) -> Iterator[bool]:
+    """Within: :class:`RMSNorm` on CUDA tensors runs the one-kernel Triton norm
+    (:mod:`hisparse_ray.kernels.norm_triton`) where available. The fast decode step wraps its
+    body in it (also while a CUDA graph captures it); prefill and the reference path never do.
+    Yields whether the fused norm is in use."""
+    on = bool(on) and _norm_kernel() is not None
+    token = _FUSED_NORMS.set(on)
+    try:
+        yield on
+    finally:
+        _FUSED_NORMS.reset(token)
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +67,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda and _FUSED_NORMS.get():
+            return _norm_kernel().rms_norm(x, self.weight, self.eps)
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

@@ -98,3 +98,48 @@ def attach_and_hang(spec, ready) -> None:
     ready.set()
     time.sleep(3600)
     pair.close()
+
+
+def busy(stop, seed: int) -> None:
+    """Interpreter-heavy noise for another thread of the same process (GIL hand-offs at random
+    points of the ring ops), with short sleeps."""
+    rng = random.Random(seed)
+    while not stop.is_set():
+        sum(len(str(i)) for i in range(rng.randint(50, 500)))
+        if rng.random() < 0.02:
+            time.sleep(rng.random() * 5e-4)
+
+
+def rank_loop(spec, rank: int, seed: int, noise: int = 1, timeout: float = 30.0) -> int:
+    """A rank's step thread as ``DecodeWorker._loop`` runs it (its own thread, ``noise`` busy
+    threads beside it): each StepCommand answered with a StepReport of random size (up to 40
+    sampled tokens) at a random pace; a negative step ends it. Returns the steps answered."""
+    import threading
+
+    from hisparse_ray.types import RequestId, StepReport
+
+    pair = ChannelPair.attach(spec)
+    stop = threading.Event()
+    for i in range(noise):
+        threading.Thread(target=busy, args=(stop, seed * 31 + i), daemon=True).start()
+    rng = random.Random(seed)
+    done = [0]
+
+    def loop() -> None:
+        while True:
+            cmd = pair.recv(timeout)
+            if cmd.step < 0:
+                return
+            sampled = tuple((RequestId(f"r{i}"), rng.randrange(1 << 20))
+                            for i in range(rng.randint(0, 40)))
+            _maybe_pause(rng, 0.03)
+            pair.send(StepReport(cmd.step, rank, sampled=sampled, hot_hits=rng.randrange(9999)),
+                      timeout)
+            done[0] += 1
+
+    step = threading.Thread(target=loop, name=f"step-r{rank}")
+    step.start()
+    step.join()
+    stop.set()
+    pair.close()
+    return done[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import struct
 import time
 
 import pytest
@@ -15,9 +16,7 @@ from hypothesis import strategies as st
 from hisparse_ray.channel.codec import PickleCodec, StepCodec
 from hisparse_ray.channel.fanout import RankChannels
 from hisparse_ray.channel.pair import ChannelPair
-from hisparse_ray.channel.ring import (
-    NATIVE, SHM_DIR, ShmRing, WaitPolicy, cleanup_stale_segments,
-)
+from hisparse_ray.channel.ring import SHM_DIR, ShmRing, WaitPolicy, cleanup_stale_segments
 from hisparse_ray.errors import (
     ChannelClosedError,
     ChannelError,
@@ -231,10 +230,9 @@ def test_wait_pending_wakes_for_any_channel_and_times_out():
 
 
 # -- one writer, several readers ---------------------------------------------------------------
-def _broadcast(n: int, capacity: int = 1024, native: bool | None = None):
-    tx = ShmRing.create("writer", capacity, readers=n, prefix="hsr-chtest-", policy=FAST, codec=P,
-                        native=native)
-    rxs = [ShmRing.attach(tx.spec_for(i), policy=FAST, codec=P, native=native) for i in range(n)]
+def _broadcast(n: int, capacity: int = 1024):
+    tx = ShmRing.create("writer", capacity, readers=n, prefix="hsr-chtest-", policy=FAST, codec=P)
+    rxs = [ShmRing.attach(tx.spec_for(i), policy=FAST, codec=P) for i in range(n)]
     return tx, rxs
 
 
@@ -281,16 +279,13 @@ def test_the_slowest_reader_holds_the_writer_and_a_closed_reader_stops_it():
             r.close()
 
 
-@pytest.mark.parametrize("native", [
-    False, pytest.param(True, marks=pytest.mark.skipif(NATIVE is None, reason="no C ring"))],
-    ids=["python", "c"])
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 4), ops=st.lists(st.tuples(st.integers(-1, 3), st.integers(0, 200)),
                                          max_size=120))
-def test_broadcast_matches_a_fifo_per_reader(native, n, ops):
+def test_broadcast_matches_a_fifo_per_reader(n, ops):
     """Random schedules of sends and per-reader receives: each reader behaves like its own FIFO
     of everything sent; a send fits exactly when the slowest reader's backlog leaves room."""
-    tx, rxs = _broadcast(n, 512, native)
+    tx, rxs = _broadcast(n, 512)
     fifos: list[list[bytes]] = [[] for _ in range(n)]
     try:
         for i, (who, size) in enumerate(ops):
@@ -360,3 +355,22 @@ def test_the_step_codec_refuses_other_objects_and_reports_corrupt_bytes():
             coord.outbox._codec = StepCodec()
             coord.send(StepCommand(2))  # the stream goes on: the codec keeps no state
             assert rank.recv(timeout=1) == StepCommand(2)
+
+
+def test_the_python_reader_names_where_a_corrupt_frame_lies():
+    """A frame whose sequence number is wrong: the error says where the reader and the writer
+    stand and at which offsets a header with the expected sequence number lies (diagnosis of a
+    frame written elsewhere vs a publish seen before its frame)."""
+    tx = ShmRing.create("writer", 512, codec=P)
+    rx = ShmRing.attach(tx.spec, codec=P)
+    try:
+        tx.send("a", timeout=1)
+        tx.send("b", timeout=1)
+        data = 128 + 64
+        struct.pack_into("<Q", tx._mm, data + 8, 7)  # frame 0 claims sequence 7
+        with pytest.raises(ChannelError, match=r"seq 7 \(expected 0\)") as err:
+            rx.recv(timeout=1)
+        assert "writer at 64" in str(err.value) and "seq 0 found at offsets []" in str(err.value)
+    finally:
+        tx.close()
+        rx.close()

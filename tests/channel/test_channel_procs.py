@@ -112,3 +112,50 @@ def test_ray_actors_hammer(ray_cluster):
     finally:
         ray.kill(a)
         ray.kill(b)
+
+
+def test_fanout_round_trips_under_the_actor_thread_mix():
+    """The coordinator's step channel as the actor system drives it, hammered: one broadcast
+    command ring and one report ring per rank (``RankChannels``), two rank processes answering
+    from a step thread beside a busy thread, the coordinator's round trips from its own step
+    thread while the main thread reads the step log and another thread keeps the interpreter
+    busy; 1500 steps, random report sizes and pauses. Every round trip returns each rank's
+    report for that step, in rank order."""
+    import threading
+
+    from hisparse_ray.channel.fanout import RankChannels
+    from hisparse_ray.types import StepCommand
+
+    n, steps = 2, 1500
+    chans = RankChannels(n)
+    ranks = [_run_child(_peers.rank_loop, spec, r, 11 + r) for r, spec in enumerate(chans.specs)]
+    stop = threading.Event()
+    threading.Thread(target=_peers.busy, args=(stop, 3), daemon=True).start()
+    failure: list[BaseException] = []
+
+    def drive() -> None:
+        try:
+            for s in range(steps):
+                reports = chans.round_trip(StepCommand(s), 30)
+                assert [(r.step, r.rank) for r in reports] == [(s, r) for r in range(n)]
+        except BaseException as err:  # noqa: BLE001 - reported below
+            failure.append(err)
+
+    driver = threading.Thread(target=drive)
+    try:
+        driver.start()
+        while driver.is_alive():
+            driver.join(0.005)
+            list(chans.log)  # what stats calls do from Ray's method threads
+        assert not failure, failure
+        assert len(chans.log) == steps
+        chans.commands.send(StepCommand(-1), 5)
+        for proc in ranks:
+            proc.join(30)
+            assert proc.exitcode == 0
+    finally:
+        stop.set()
+        for proc in ranks:
+            if proc.is_alive():
+                proc.kill()
+        chans.close()

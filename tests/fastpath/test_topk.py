@@ -83,3 +83,28 @@ def test_same_as_select_topk_on_cuda():
     lengths = torch.tensor([1, 2048, 2049, 4096, 65536, 100000, N - 1, N], device="cuda")
     s = s.masked_fill(torch.arange(N, device="cuda")[None] >= lengths[:, None], -INF)
     check(s, 2048)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 4), n=st.integers(1, 300), k=st.integers(1, 64),
+       seed=st.integers(0, 2**31 - 1), continuous=st.sampled_from([0.0, 0.3, 1.0]),
+       with_lengths=st.booleans(), out_dtype=st.sampled_from([None, torch.int32, torch.int64]))
+def test_positions_are_the_same_set_in_position_order(rows, n, k, seed, continuous, with_lengths,
+                                                      out_dtype):
+    """``select_topk_positions`` (the fast step's call): ``select_topk``'s set of the row masked
+    at its length, ascending, ``-1`` last; into ``out`` when given."""
+    from hisparse_ray.fastpath.topk import in_position_order, select_topk_positions
+
+    s = tie_heavy((rows, n), seed, continuous=continuous)
+    lengths = torch.randint(0, n + 2, (rows,), generator=torch.Generator().manual_seed(seed)) \
+        if with_lengths else None
+    masked = s if lengths is None else s.masked_fill(torch.arange(n)[None] >= lengths[:, None], -INF)
+    want = select_topk(masked, k)
+    out = None if out_dtype is None else torch.full((rows, k), 7, dtype=out_dtype)
+    got = select_topk_positions(s, k, lengths=lengths, out=out)
+    assert out is None or got is out
+    assert torch.equal(got.long(), in_position_order(want))
+    for r in range(rows):  # the same set as select_topk, ascending, -1 only at the end
+        sel = got[r][got[r] >= 0].tolist()
+        assert sel == sorted(want[r][want[r] >= 0].tolist())
+        assert (got[r][len(sel):] == -1).all()
