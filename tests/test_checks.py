@@ -77,6 +77,7 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "logits": ["torch"],
         "cuda_graphs": [1],
         "index_pages": [0, True],
+        "compile_glue": [1, "yes"],
     }),
     SamplingParams: ({}, {
         "temperature": ["0.7", True, -0.1, NAN, INF, None],
