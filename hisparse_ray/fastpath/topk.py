@@ -105,9 +105,11 @@ def select_topk_positions(scores: Tensor, k: int, *, lengths: Tensor | None = No
     else new int64): ``select_topk``'s selected positions in ascending order, then ``-1``. The
     Triton kernel on CUDA where triton imports (``HISPARSE_TRITON_TOPK=0`` switches it off),
     else ``select_topk_fast`` and a sort; the two agree exactly."""
-    kern = _triton_kernel() if scores.is_cuda else None
+    kern = _triton_kernel() if scores.is_cuda and scores.dim() == 2 else None
     if kern is not None:
-        return kern.select_positions(scores, k, lengths=lengths, out=out)
+        s = scores.float()  # the kernel reads fp32 rows with contiguous keys (no copy if so)
+        return kern.select_positions(s if s.stride(-1) == 1 else s.contiguous(), k,
+                                     lengths=lengths, out=out)
     if lengths is not None:
         pos = torch.arange(scores.shape[-1], device=scores.device)
         scores = scores.masked_fill(pos[None, :] >= lengths[:, None], float("-inf"))
