@@ -8,17 +8,32 @@ the keyword ``backend``. Contract: docs/architecture.md, "The resolver contract"
 
 from __future__ import annotations
 
+import functools
+import importlib
 from types import ModuleType
 
 import torch
 
+from hisparse_ray.config import env_flag
 from hisparse_ray.errors import KernelPreconditionError
 from hisparse_ray.kernels import cuda, reference
 from hisparse_ray.kernels._contract import DEFAULT_BLOCK_THREADS
 
-__all__ = ["DEFAULT_BLOCK_THREADS", "backend_for", "backup", "replay", "resolve"]
+__all__ = ["DEFAULT_BLOCK_THREADS", "backend_for", "backup", "replay", "resolve", "triton_module"]
 
 BACKENDS = ("auto", "cuda", "torch")
+
+
+@functools.cache
+def triton_module(name: str, switch: str) -> ModuleType | None:
+    """``hisparse_ray.kernels.<name>``, one of the fast step's Triton kernel modules, where triton
+    imports and the environment switch ``switch`` is not 0; else None (the caller runs torch)."""
+    if not env_flag(switch, True):
+        return None
+    try:
+        return importlib.import_module(f"hisparse_ray.kernels.{name}")
+    except ImportError:
+        return None
 
 
 def backend_for(device_kv: torch.Tensor, backend: str = "auto") -> ModuleType:

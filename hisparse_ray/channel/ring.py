@@ -69,12 +69,12 @@ class ShmRing:
     for every i; every reader sees every message, in order, once (it checks ``seq``). Relies on
     the x86-64 store order (TSO) for publication, and on every shared word (positions, flags,
     pids) being read and written whole: one 8-byte load or store through a u64 memoryview
-    (``_load`` / ``_store``; ``struct.pack_into`` zero-fills first, a peer could read 0). Wake-ups: a blocked side raises its
-    ``waiting`` word and futex-waits on the low 32 bits of the position it waits for (a reader:
-    ``write_pos``; the writer: the slowest reader's ``read_pos``); the other side, after moving
-    that position, wakes it if the word is up. Both put a full fence (a lock round trip) between
-    their store and their load, so at least one sees the other (Dekker); the timed slice bounds
-    the cost of anything missed anyway.
+    (``_load`` / ``_store``; ``struct.pack_into`` zero-fills first, a peer could read 0).
+    Wake-ups: a blocked side raises its ``waiting`` word and futex-waits on the low 32 bits of
+    the position it waits for (a reader: ``write_pos``; the writer: the slowest reader's
+    ``read_pos``); the other side, after moving that position, wakes it if the word is up. Both
+    put a full fence (a lock round trip) between their store and their load, so at least one sees
+    the other (Dekker); the timed slice bounds the cost of anything missed anyway.
 
     Lifecycle: ``create`` (either role; a creating reader is reader 0 of a one-reader ring) ->
     ``spec_for`` each peer -> peers ``attach`` (the last one to map unlinks the name: from then
@@ -303,9 +303,9 @@ class ShmRing:
         sequence number lies, if anywhere (diagnoses a lost publish from a misplaced frame)."""
         cap, data, want = self.capacity, self._data, self._seq
         again = _FRAME.unpack(self._get(pos, _FRAME.size))
-        hits = [o for o in range(0, cap - _FRAME.size + 1, 8)
-                if _FRAME.unpack_from(self._mm, data + o)[1] == want
-                and 0 < _FRAME.unpack_from(self._mm, data + o)[0] <= cap][:4]
+        headers = ((o, _FRAME.unpack_from(self._mm, data + o))
+                   for o in range(0, cap - _FRAME.size + 1, 8))
+        hits = [o for o, (length, seq) in headers if seq == want and 0 < length <= cap][:4]
         return (f"read at {pos} (offset {pos % cap}), writer at {self._load(_WRITER + _POS)}, "
                 f"header there now (length, seq) = {again}, seq {want} found at offsets {hits}, "
                 f"last (reader, writer) positions seen {list(self._seen)}")

@@ -7,8 +7,8 @@ row, the indexer's newest key into the paged key pool, the indexer's logits over
 (:func:`~hisparse_ray.model.indexer.select_topk`'s set, in position order:
 :func:`~hisparse_ray.fastpath.topk.select_topk_positions`, one Triton kernel on CUDA), the
 resolver (hot buffer / host misses / resident rows), sparse MLA attention over the resolved rows
-(FlashMLA or the torch reference), ``W_uv`` + ``o_proj`` (+ the TP all-reduce), the MLP. Then the final norm, ``lm_head`` and argmax.
-Hot-buffer hits and misses are counted on the device.
+(FlashMLA or the torch reference), ``W_uv`` + ``o_proj`` (+ the TP all-reduce), the MLP. Then the
+final norm, ``lm_head`` and argmax. Hot-buffer hits and misses are counted on the device.
 
 Static state: :class:`~hisparse_ray.fastpath.inputs.StepInputs` (filled by host work before each
 run), per anchor layer the resolver's ``out_rows`` and ``plan``, the outputs ``tokens [Bmax]``,

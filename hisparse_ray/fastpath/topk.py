@@ -33,13 +33,11 @@ full-resident bit for bit.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hisparse_ray.config import env_flag
+from hisparse_ray.kernels import triton_module
 from hisparse_ray.model.indexer import NEG_INF_KEY_BOUND
 
 
@@ -86,18 +84,6 @@ def in_position_order(top: Tensor) -> Tensor:
     return torch.where(pos == big, -1, pos)
 
 
-@functools.cache
-def _triton_kernel():
-    """``kernels.topk_triton`` where triton imports and ``HISPARSE_TRITON_TOPK`` is not 0."""
-    if not env_flag("HISPARSE_TRITON_TOPK", True):
-        return None
-    try:
-        from hisparse_ray.kernels import topk_triton
-    except ImportError:
-        return None
-    return topk_triton
-
-
 def select_topk_positions(scores: Tensor, k: int, *, lengths: Tensor | None = None,
                           out: Tensor | None = None) -> Tensor:
     """The fast step's top-k: ``scores [B, N]`` fp32 (no NaN), ``lengths [B]`` or None (keys at
@@ -105,7 +91,8 @@ def select_topk_positions(scores: Tensor, k: int, *, lengths: Tensor | None = No
     else new int64): ``select_topk``'s selected positions in ascending order, then ``-1``. The
     Triton kernel on CUDA where triton imports (``HISPARSE_TRITON_TOPK=0`` switches it off),
     else ``select_topk_fast`` and a sort; the two agree exactly."""
-    kern = _triton_kernel() if scores.is_cuda and scores.dim() == 2 else None
+    kern = (triton_module("topk_triton", "HISPARSE_TRITON_TOPK")
+            if scores.is_cuda and scores.dim() == 2 else None)
     if kern is not None:
         s = scores.float()  # the kernel reads fp32 rows with contiguous keys (no copy if so)
         return kern.select_positions(s if s.stride(-1) == 1 else s.contiguous(), k,

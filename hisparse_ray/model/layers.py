@@ -17,7 +17,6 @@ Facts from transformers 5.23.0:
 from __future__ import annotations
 
 import contextlib
-import functools
 from contextvars import ContextVar
 from typing import Iterator
 
@@ -25,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hisparse_ray.config import env_flag
 from hisparse_ray.errors import ConfigError
 from hisparse_ray.model.config import DSAConfig
 from hisparse_ray.model.rowmath import RowMath
@@ -34,16 +32,11 @@ from hisparse_ray.model.rowmath import RowMath
 _FUSED_NORMS: ContextVar[bool] = ContextVar("hisparse_fused_norms", default=False)
 
 
-@functools.cache
 def _norm_kernel():
     """``kernels.norm_triton`` where triton imports and ``HISPARSE_TRITON_NORM`` is not 0."""
-    if not env_flag("HISPARSE_TRITON_NORM", True):
-        return None
-    try:
-        from hisparse_ray.kernels import norm_triton
-    except ImportError:
-        return None
-    return norm_triton
+    from hisparse_ray.kernels import triton_module
+
+    return triton_module("norm_triton", "HISPARSE_TRITON_NORM")
 
 
 @contextlib.contextmanager
