@@ -29,6 +29,9 @@ Times: step wall time including host input work and the token read-back (TPOT); 
 share from a graph of the 61 resolver calls alone, replayed over the same trace. Not included:
 the coordinator and the step channel (~70 us a step, BENCHMARKS.md) and the eager backup of each
 host-tier request's newest row (61 x 1152 B a step, on a side stream).
+On CUDA the fast step runs with ``compile_glue`` (the per-layer torch work through
+``torch.compile``; ``HISPARSE_COMPILE_GLUE=0`` runs it eager) and the Triton top-k and RMSNorm
+(``HISPARSE_TRITON_TOPK=0`` / ``HISPARSE_TRITON_NORM=0`` switch them off).
 """
 
 from __future__ import annotations
@@ -184,6 +187,14 @@ def make_trace(steps: int, L: int, B: int, K: int, n: int, overlap: float, devic
     return out
 
 
+def _compile_glue(device: torch.device) -> bool:
+    """The stacks' ``FastPathConfig.compile_glue``: on with CUDA (measured faster on the H200,
+    2026-12-01: batch-1 32K step 3.54x vs 3.80x its floor), off on CPU (inductor's compile would
+    dominate the quick run); ``HISPARSE_COMPILE_GLUE=0`` / ``=1`` forces it."""
+    forced = os.environ.get("HISPARSE_COMPILE_GLUE")
+    return forced == "1" if forced in ("0", "1") else device.type == "cuda"
+
+
 class Setup:
     """One mode at one context: the device pool, host views, index keys, requests and the fast
     step for up to ``B`` rows (buckets 1, 4, B)."""
@@ -211,7 +222,7 @@ class Setup:
                                   backend="auto", spare_rows=spare)
         fast = FastPathConfig(max_context=life, buckets=tuple(sorted({1, min(4, B), B})),
                               index_key_dtype="fp8", cuda_graphs=True,
-                              compile_glue=os.environ.get("HISPARSE_COMPILE_GLUE") == "1")
+                              compile_glue=_compile_glue(device))
         self.ex = FastExecutor(model, self.rt, rows, fast, block_threads=1024)
         self._fill(rows, pages, host_rows)
         self.rids = [RequestId(f"q{b}") for b in range(B)]

@@ -43,6 +43,7 @@ MODEL_KINDS = ("deepseek_v32", "glm_moe_dsa")
 #: a replica id names the host pool's segment file and placement group
 _NAME_FORBIDS = "/\0"
 FAST_PATH, KV_CACHE_DTYPES = ("auto", "on", "off"), ("auto", "fp32", "bf16", "fp8")
+ON_OFF = ("off", "on")
 
 
 def _opt(default: Any, help: str, group: str, *, kind: str = "", choices: tuple = (),
@@ -126,6 +127,9 @@ class DeployOptions:
     fast_path: str = _opt("auto", "decode with the fast step (batched, paged GPU index keys, "
                           "FlashMLA / DeepGEMM, CUDA graphs): on, off (the reference path), auto = "
                           "on with CUDA and FlashMLA on an sm90 GPU", "replica", choices=FAST_PATH)
+    compile_glue: str = _opt("off", "the fast step's per-layer torch work compiled by "
+                             "torch.compile (fused kernels; compiles in a bucket's first step, "
+                             "once per rank process): on, off", "replica", choices=ON_OFF)
     kv_cache_dtype: str = _opt("auto", "KV rows in every pool and landing: auto = the model dtype, "
                                "fp32, bf16, fp8 (656 B rows)", "replica", choices=KV_CACHE_DTYPES)
     index_key_dtype: str = _opt("auto", "the fast path's GPU index keys: auto = the model dtype, "
@@ -249,7 +253,7 @@ class DeployOptions:
             host_pool_dir=self.host_pool_dir,
             kv_cache_dtype=self.kv_cache_dtype, fast_path=deployment_fast_path(
                 self.fast_path, gpus_per_rank, self.max_prompt_tokens + self.max_new_tokens_limit,
-                self.max_batch, self.index_key_dtype))
+                self.max_batch, self.index_key_dtype, self.compile_glue == "on"))
         prefill = PrefillSpec(model=model, max_prompt_tokens=self.max_prompt_tokens,
                               gpus=self.prefill_gpus, cpus=self.prefill_cpus,
                               kv_cache_dtype=self.kv_cache_dtype)

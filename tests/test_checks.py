@@ -224,6 +224,7 @@ _OPTION_BAD: dict[str, list] = {
     "max_ongoing_requests": [0], "health_check_period_s": [0, -1],
     "decode_resources": [{"decode_node": 0}, {"x": NAN}, [1]], "prefill_resources": [{"a": -1}],
     "fast_path": ["yes", True], "kv_cache_dtype": ["fp16", 8], "index_key_dtype": ["int8", None],
+    "compile_glue": ["yes", True],
     "served_model_name": [1], "api_key": [1, None], "max_request_bytes": [0, True],
     "max_queued_requests": [0, -2, 1.5], "deployment_config": [{"bogus": 1}, [1], "x"],
 }

@@ -166,7 +166,7 @@ def test_fast_path_and_kv_cache_dtype_options_reach_every_spec():
     dtype sizes the replica's rows and the prefill worker's (the same bytes by construction)."""
     from hisparse_ray.fastpath.config import FastPathConfig, default_buckets
 
-    for key in ("fast_path", "kv_cache_dtype", "index_key_dtype"):
+    for key in ("fast_path", "kv_cache_dtype", "index_key_dtype", "compile_glue"):
         with pytest.raises(ConfigError, match=key):
             DeployOptions.from_dict({key: "fp4"})
     assert DeployOptions().specs()[0].fast_path is None
@@ -176,6 +176,7 @@ def test_fast_path_and_kv_cache_dtype_options_reach_every_spec():
                                      max_new_tokens_limit=24).specs()
     assert replica.fast_path == FastPathConfig(max_context=1024, buckets=(1, 2, 4, 8, 12),
                                                index_key_dtype="fp8")
+    assert DeployOptions(fast_path="on", compile_glue="on").specs()[0].fast_path.compile_glue
     assert default_buckets(1) == (1,) and default_buckets(16) == (1, 2, 4, 8, 16)
     assert replica.kv_cache_dtype == prefill.kv_cache_dtype == "fp8"
     assert replica.layout.row_bytes == 68  # tiny: 32 e4m3 + one fp32 scale + 16 bf16 rope values

@@ -123,17 +123,18 @@ def check_fast_path(fast: object, max_batch: int) -> None:
 
 
 def deployment_fast_path(mode: str, gpus_per_rank: float, max_context: int, max_batch: int,
-                         index_key_dtype: str = "auto") -> FastPathConfig | None:
+                         index_key_dtype: str = "auto",
+                         compile_glue: bool = False) -> FastPathConfig | None:
     """``DeployOptions.fast_path`` ("on" | "off" | "auto") -> the ranks' config (None: the
     reference path). "auto" is on when the ranks get a GPU and this process can run FlashMLA
     (sm90, ``sglang-kernel`` importable; checked only then, it imports torch). Buckets:
-    :func:`default_buckets` of ``max_batch``."""
+    :func:`default_buckets` of ``max_batch``; ``compile_glue``: ``DeployOptions.compile_glue``."""
     if mode not in ("auto", "on", "off"):
         raise ConfigError("fast_path", mode, "must be one of auto, on, off")
     if mode == "off" or (mode == "auto" and not (gpus_per_rank > 0 and _kernels_available())):
         return None
     return FastPathConfig(max_context=max_context, buckets=default_buckets(max_batch),
-                          index_key_dtype=index_key_dtype)
+                          index_key_dtype=index_key_dtype, compile_glue=compile_glue)
 
 
 def _kernels_available() -> bool:
