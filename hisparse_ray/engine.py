@@ -189,8 +189,9 @@ class Engine:
             raise DuplicateRequestError(rid)
         if sampling is not None:
             check_type("sampling", sampling, SamplingParams)
-        p = _Pending(_token_ids(rid, prompt), max_new_tokens, eos_token_id)
         vocab = self.model.cfg.vocab_size
+        eos_token_id = _eos_id(rid, eos_token_id, vocab)
+        p = _Pending(_token_ids(rid, prompt), max_new_tokens, eos_token_id)
         bad = [t for t in p.prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(rid, f"token {bad[0]!r} is not an id in [0, {vocab}) of this model")
@@ -328,6 +329,23 @@ def _token_ids(rid: RequestId, prompt: Any) -> list[int]:
         except TypeError:
             raise InvalidRequestError(rid, f"token {t!r} is not an integer token id") from None
     return out
+
+
+def _eos_id(rid: RequestId, eos: Any, vocab: int) -> int | None:
+    """``eos_token_id`` as an int id of this model (numpy integers too) or None;
+    InvalidRequestError naming the value otherwise (one outside the vocabulary could never be
+    sampled, so the request would silently run to its ``max_new_tokens``)."""
+    if eos is None:
+        return None
+    try:
+        if isinstance(eos, bool):
+            raise TypeError
+        eos = operator.index(eos)
+    except TypeError:
+        raise InvalidRequestError(rid, f"eos_token_id={eos!r} must be an int or None") from None
+    if not 0 <= eos < vocab:
+        raise InvalidRequestError(rid, f"eos_token_id={eos} is not an id in [0, {vocab}) of this model")
+    return eos
 
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,

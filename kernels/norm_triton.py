@@ -22,7 +22,7 @@ from torch import Tensor
 NUM_WARPS = 8
 
 
-def _body(X, stride_x, W, Y, stride_y, D, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_rows(X, stride_x, W, Y, stride_y, D, eps, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     m = cols < D
@@ -33,7 +33,7 @@ def _body(X, stride_x, W, Y, stride_y, D, eps, BLOCK_D: tl.constexpr):
     tl.store(Y + row * stride_y + cols, (w * normed.to(tl.float32)).to(Y.dtype.element_ty), mask=m)
 
 
-_kernel = triton.jit(_body)  # interpreted (on CPU tensors) when TRITON_INTERPRET=1 at import
+_kernel = triton.jit(_rms_norm_rows)  # interpreted (on CPU tensors) when TRITON_INTERPRET=1 at import
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,7 +130,13 @@ def test_engine_rejects_bad_input(models):
             eng.add_request("y", [1], 0)
         with pytest.raises(InvalidRequestError, match=r"token 96 is not an id in \[0, 96\)"):
             eng.add_request("z", [1, 96], 2)
-        assert eng.run()["x"] and len(eng.run()["x"]) == 2
+        for eos, msg in [(96, r"eos_token_id=96 is not an id in \[0, 96\)"), (-1, "eos_token_id=-1"),
+                         (True, "eos_token_id=True must be an int"), (2.0, "eos_token_id=2.0")]:
+            with pytest.raises(InvalidRequestError, match=msg):
+                eng.add_request("e", [1, 2], 2, eos_token_id=eos)
+        eng.add_request("n", [1, 2], 2, eos_token_id=np.int64(95))  # numpy ids are ids
+        out = eng.run()
+        assert out["x"] and len(out["x"]) == 2 and "e" not in out and len(out["n"]) <= 2
 
 
 @pytest.mark.parametrize("top_k, hot", [(4, 6), (16, 16), (4, 16)])
