@@ -13,7 +13,8 @@
 #                                          # batch-1 32K step profiled with the kernels off, then on
 #                                          # (HISPARSE_TRITON_TOPK / _NORM), same call
 #   bash benchmarks/fast_gpu.sh split      # < 7 min: the split-row Triton top-k's gpu tests + the fast
-#                                          # path's, bench_topk, and the whole capacity benchmark
+#                                          # path's, the chunks-per-row sweep (bench_topk_splits.py),
+#                                          # and the whole capacity benchmark
 #   bash benchmarks/fast_gpu.sh glue       # < 9 min: the compiled glue's gpu exactness test, then the
 #                                          # same step profiled with the Triton kernels on, glue
 #                                          # eager vs compiled (HISPARSE_COMPILE_GLUE=1:
@@ -78,15 +79,15 @@ case "${1:-check}" in
     timeout 50 python3 benchmarks/bench_topk.py --repeats 5 --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log"
     for flags in "0 0 0" "1 1 0"; do profile $flags; done
     ;;
-  split)  # < 7 min: the split-row top-k on the H200: its gpu tests and the fast path's, bench_topk
-    # (single-program vs split rows), then the whole capacity benchmark (32K / 64K / 128K)
-    timeout 150 python3 -m pytest -v -p no:cacheprovider -rA -m gpu tests/kernels/test_topk_triton.py \
-      tests/fastpath/test_topk.py tests/fastpath/test_fast_gpu.py -k "not compiled_glue" \
+  split)  # < 7 min: the split-row top-k on the H200: its gpu tests and the fast path's exactness
+    # tests, the chunks-per-row sweep from CUDA graphs, then the whole capacity benchmark
+    timeout 120 python3 -m pytest -v -p no:cacheprovider -rA -m gpu tests/kernels/test_topk_triton.py \
+      tests/fastpath/test_topk.py tests/fastpath/test_fast_gpu.py -k "not compiled_glue and not flashmla_matches and not deepgemm" \
       > "$OUT/split_tests.log" 2>&1
     echo "pytest rc=$?"
-    grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/split_tests.log" | tail -24
-    timeout 50 python3 benchmarks/bench_topk.py --repeats 5 --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log"
-    timeout 230 python3 benchmarks/bench_capacity.py --out "$OUT" > "$OUT/capacity.log" 2>&1
+    grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/split_tests.log" | tail -16
+    timeout 80 python3 benchmarks/bench_topk_splits.py --out "$OUT/topk_splits.json" 2>&1 | tee "$OUT/topk_splits.log"
+    timeout 200 python3 benchmarks/bench_capacity.py --out "$OUT" > "$OUT/capacity.log" 2>&1
     echo "capacity rc=$?"
     grep -E "^ *[0-9]+ +(full|hisparse) +bf16( +[0-9]+){3} +random" "$OUT/capacity.log" | tail -18
     sed -n '/^context  cap_full/,$p' "$OUT/capacity.log" | tail -5
