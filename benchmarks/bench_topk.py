@@ -3,8 +3,10 @@ per position, an int64 top-k over the row) against ``select_topk_fast`` (a float
 k-th value, the tie rule among the keys equal to it, int64 keys for the k candidates only;
 ``hisparse_ray/fastpath/topk.py``) and, on CUDA with triton, the Triton kernel the fast step runs
 (``hisparse_ray/kernels/topk_triton.py``: radix select + one compaction pass, the set in position
-order, each row scanned to its length only), same process, same scores, outputs checked equal
-(as sets in position order for the kernel).
+order, each row scanned to its length only) twice: with its auto splits (the column ``triton``,
+the chunks per row in ``splits``) and with one program per row (``splits=1``, the column
+``s=1``), same process, same scores, outputs checked equal (as sets in position order for the
+kernel).
 
 Scores as the indexer makes them (``--ties``): head-weighted relu sums where a fraction of the
 keys scores exactly 0.0 (every head rejected them; the k-th place then falls inside that tie
@@ -93,7 +95,8 @@ def main() -> int:
           f"torch {torch.__version__}, k {a.k}, {a.ties:.0%} tied zeros, threads {torch.get_num_threads()}")
     kern = triton_kernel(a.device)
     print(f"{'batch':>5} {'context':>8} {'select_topk ms':>15} {'fast ms':>9} {'ratio':>6} "
-          f"{'triton ms':>10} {'vs fast':>8} {'int64 keys MB':>13}")
+          f"{'triton ms':>10} {'splits':>6} {'s=1 ms':>7} {'vs s=1':>7} {'vs fast':>8} "
+          f"{'int64 keys MB':>13}")
     for B, N in shapes:
         s, lengths = scores(B, N, a.ties, a.fill, a.device)
         want, got = select_topk(s, a.k), select_topk_fast(s, a.k)
@@ -101,24 +104,34 @@ def main() -> int:
             raise AssertionError(f"outputs differ at batch {B}, context {N}")
         t_ref = timed(lambda: select_topk(s, a.k), a.repeats, a.device)
         t_fast = timed(lambda: select_topk_fast(s, a.k), a.repeats, a.device)
-        t_tri = None
+        t_tri = t_one = splits = None
         if kern is not None:
             out = torch.empty(B, a.k, dtype=torch.int32, device=a.device)
-            kern.select_positions(s, a.k, lengths=lengths, out=out)
-            if not torch.equal(out.long(), in_position_order(want)):
-                raise AssertionError(f"the Triton kernel differs at batch {B}, context {N}")
+            splits = kern.auto_splits(B, N, s.device)
+            for sp in (None, 1):
+                kern.select_positions(s, a.k, lengths=lengths, out=out, splits=sp)
+                if not torch.equal(out.long(), in_position_order(want)):
+                    raise AssertionError(f"the Triton kernel (splits={sp}) differs at batch {B}, "
+                                         f"context {N}")
             t_tri = timed(lambda: kern.select_positions(s, a.k, lengths=lengths, out=out),
                           a.repeats, a.device)
+            t_one = timed(lambda: kern.select_positions(s, a.k, lengths=lengths, out=out,
+                                                        splits=1), a.repeats, a.device)
         row = dict(batch=B, context=N, k=a.k, ties=a.ties, device=a.device,
                    select_topk_ms=t_ref * 1e3, fast_ms=t_fast * 1e3, ratio=t_ref / t_fast,
-                   triton_ms=None if t_tri is None else t_tri * 1e3,
+                   triton_ms=None if t_tri is None else t_tri * 1e3, triton_splits=splits,
+                   triton_one_ms=None if t_one is None else t_one * 1e3,
+                   triton_vs_one=None if t_tri is None else t_one / t_tri,
                    triton_vs_fast=None if t_tri is None else t_fast / t_tri,
                    int64_key_mb=B * N * 8 / 1e6)
         rows.append(row)
-        tri = "-" if t_tri is None else f"{row['triton_ms']:.3f}"
-        vs = "-" if t_tri is None else f"{row['triton_vs_fast']:.2f}"
+        tri, one, vs_one, vs, sp = (["-"] * 5 if t_tri is None else
+                                    [f"{row['triton_ms']:.3f}", f"{row['triton_one_ms']:.3f}",
+                                     f"{row['triton_vs_one']:.2f}", f"{row['triton_vs_fast']:.2f}",
+                                     str(splits)])
         print(f"{B:>5} {N:>8} {row['select_topk_ms']:>15.3f} {row['fast_ms']:>9.3f} "
-              f"{row['ratio']:>6.2f} {tri:>10} {vs:>8} {row['int64_key_mb']:>13.1f}")
+              f"{row['ratio']:>6.2f} {tri:>10} {sp:>6} {one:>7} {vs_one:>7} {vs:>8} "
+              f"{row['int64_key_mb']:>13.1f}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))

@@ -25,7 +25,8 @@ identical on tie-heavy inputs.
 
 The fast decode step calls :func:`select_topk_positions`: the same selected set **in ascending
 position order** (``-1`` padded at the end), by one Triton kernel on CUDA
-(:mod:`hisparse_ray.kernels.topk_triton`: radix select, then one compaction pass; no sort) and
+(:mod:`hisparse_ray.kernels.topk_triton`: radix select, then one compaction pass, rows split
+over several programs at small batch; no sort) and
 by ``select_topk_fast`` + a sort of the k positions elsewhere, so the step's output never depends
 on which ran. Both decode modes read the rows in that same order: HiSparse still equals
 full-resident bit for bit.
