@@ -54,8 +54,8 @@ import triton.language as tl
 
 BLOCK = 1024  # keys per loop iteration of a program
 NUM_WARPS = 8
-MIN_CHUNK = 8192  # auto splits: the fewest keys a split-row program gets (8 loop iterations)
-PROGRAMS_PER_SM = 2  # auto splits: aim for this many programs per SM over the batch
+MIN_CHUNK = 2048  # auto splits: the fewest keys a split-row program gets (2 loop iterations)
+PROGRAMS_PER_SM = 4  # auto splits: aim for this many programs per SM over the batch
 
 
 @triton.jit
@@ -315,14 +315,15 @@ def _sm_count(device: torch.device) -> int:
 
 
 def auto_splits(B: int, N: int, device: torch.device) -> int:
-    """Chunks per row when ``splits=None``: ``min(cdiv(N, MIN_CHUNK), max(1, cdiv(2 * SMs, B)))``.
+    """Chunks per row when ``splits=None``: ``min(cdiv(N, MIN_CHUNK), max(1, cdiv(4 * SMs, B)))``.
     One program per row leaves most of the GPU idle at small batch (batch 1 at 128K keys: one SM
-    of the H200's 132 scanning the row 5 times, 0.66 ms); splitting until the batch has ~2
-    programs per SM fills it, and no chunk below ``MIN_CHUNK`` keys keeps each program's fixed
-    cost (the decision it advances, the split shape's six launches) small beside its scan. From
-    batch ``2 * SMs`` up, or at most ``MIN_CHUNK`` keys, this is 1: one launch, no workspace. On an
-    H200 (132 SMs): batch 1 and 8 -> ``N / 8192`` chunks (4 at 32K, 16 at 128K), batch 64 -> 4
-    at 32K, 5 at 128K."""
+    of the H200's 132 scanning the row 5 times); splitting until the batch has ~4 programs per
+    SM (8 warps each: half an SM's warp slots) fills it, and no chunk below ``MIN_CHUNK`` keys
+    keeps each program's fixed cost (the decision it advances; the split shape's six launches
+    cost ~the same whatever the grid) small beside its scan. From batch ``4 * SMs`` up, or at
+    most ``MIN_CHUNK`` keys, this is 1: one launch, no workspace. On an H200 (132 SMs): batch 1
+    and 8 -> ``N / 2048`` chunks (16 at 32K, 64 at 128K), batch 64 -> 9. The sweep behind these
+    constants: ``benchmarks/bench_topk_splits.py`` (BENCHMARKS.md)."""
     target = PROGRAMS_PER_SM * _sm_count(device)
     return max(1, min(triton.cdiv(N, MIN_CHUNK), triton.cdiv(target, max(B, 1))))
 
