@@ -27,8 +27,8 @@ output bit for bit:
 
 * **one program per row** (``splits == 1``): one launch, no workspace;
 * **split rows** (grid ``(B, S)``, :func:`_split_launch`): each row cut into S contiguous chunks;
-  one launch per histogram pass (:func:`_hist_kernel`), one counting each chunk's keys above and
-  equal to the cut (:func:`_count_kernel`), one writing (:func:`_write_kernel`: a chunk's first
+  one launch per histogram pass (:func:`_topk_hist`), one counting each chunk's keys above and
+  equal to the cut (:func:`_topk_count`), one writing (:func:`_topk_write`: a chunk's first
   slot is the keys above the cut in earlier chunks plus the ties taken there). The programs of a
   row meet in a small workspace, zeroed per call: per-pass histograms summed by integer atomics
   (schedule-independent), per-chunk counts, and the row's decision state after each pass: every
@@ -36,11 +36,13 @@ output bit for bit:
   pass's histogram (:func:`_advance`; chunk 0 stores it for the next launch), so a program runs
   at most one decision, not the whole chain.
 
-Why split: at batch 1 one program per row runs on one SM of the H200's 132: ~26 us a launch at 32K
-keys, but at 128K the 61-layer batch-1 decode step took 50.1 ms against 39.2 ms with the torch
-top-k (2026-12). ``splits=None`` picks S by :func:`auto_splits` (1 where the batch alone fills
-the GPU). ``tests/kernels/test_topk_triton.py`` runs both shapes in Triton's interpreter
-on CPU against ``select_topk``; ``benchmarks/bench_topk.py`` times them on CUDA.
+Why split: at batch 1 one program per row runs on one SM of the H200's 132: 118 us a call at
+32K keys (torch's top-k: ~136), 496 us at 128K, where the 61-layer batch-1 decode step took
+50.1 ms against 39.2 ms with the torch top-k. Split rows: 20 us and 21 us (from a CUDA graph;
+the step at 128K 23.0 ms; H200, 2026-12-01, BENCHMARKS.md). ``splits=None`` picks S by
+:func:`auto_splits` (1 where the batch alone fills the GPU). ``tests/kernels/test_topk_triton.py``
+runs both shapes in Triton's interpreter on CPU against ``select_topk``;
+``benchmarks/bench_topk_splits.py`` times them from CUDA graphs, ``bench_topk.py`` eagerly.
 """
 
 import functools
@@ -167,7 +169,7 @@ def _row_length(LEN, stride_l, row, N, HAS_LEN: tl.constexpr):
     return L
 
 
-def _body(S, stride_s, LEN, stride_l, OUT, stride_o, N, kk, K,
+def _topk_rows(S, stride_s, LEN, stride_l, OUT, stride_o, N, kk, K,
           HAS_LEN: tl.constexpr, MASKED_HIST: tl.constexpr, BLOCK_: tl.constexpr):
     """One program per row: the four passes on its own registers, then the compaction."""
     row = tl.program_id(0).to(tl.int64)
@@ -190,7 +192,7 @@ def _masked_hist() -> bool:
     return "mask" in inspect.signature(tl.histogram).parameters
 
 
-_kernel = triton.jit(_body)  # interpreted (on CPU tensors) when TRITON_INTERPRET=1 at import
+_kernel = triton.jit(_topk_rows)  # interpreted (on CPU tensors) when TRITON_INTERPRET=1 at import
 
 
 @triton.jit
@@ -228,8 +230,8 @@ def _chunk(S, stride_s, LEN, stride_l, N, C, HAS_LEN: tl.constexpr):
 
 
 @triton.jit
-def _hist_kernel(S, stride_s, LEN, stride_l, HIST, STATE, B, N, C, kk, P: tl.constexpr,
-                 HAS_LEN: tl.constexpr, MASKED_HIST: tl.constexpr, BLOCK_: tl.constexpr):
+def _topk_hist(S, stride_s, LEN, stride_l, HIST, STATE, B, N, C, kk, P: tl.constexpr,
+               HAS_LEN: tl.constexpr, MASKED_HIST: tl.constexpr, BLOCK_: tl.constexpr):
     """Pass P of a split row: the chunk's histogram added into ``HIST[P, row]``, unless the passes
     before already found the cut."""
     row, base, lo, hi = _chunk(S, stride_s, LEN, stride_l, N, C, HAS_LEN)
@@ -242,8 +244,8 @@ def _hist_kernel(S, stride_s, LEN, stride_l, HIST, STATE, B, N, C, kk, P: tl.con
 
 
 @triton.jit
-def _count_kernel(S, stride_s, LEN, stride_l, HIST, STATE, CNT, B, N, C, kk,
-                  HAS_LEN: tl.constexpr, BLOCK_: tl.constexpr):
+def _topk_count(S, stride_s, LEN, stride_l, HIST, STATE, CNT, B, N, C, kk,
+                HAS_LEN: tl.constexpr, BLOCK_: tl.constexpr):
     """``CNT[row, chunk] = (keys > cut, keys == cut)`` among the chunk's valid keys."""
     row, base, lo, hi = _chunk(S, stride_s, LEN, stride_l, N, C, HAS_LEN)
     prefix, rem, active, thresh = _advance(HIST, STATE, row, B, kk, 4)
@@ -263,8 +265,8 @@ def _count_kernel(S, stride_s, LEN, stride_l, HIST, STATE, CNT, B, N, C, kk,
 
 
 @triton.jit
-def _write_kernel(S, stride_s, LEN, stride_l, STATE, CNT, OUT, stride_o, B, N, C, K,
-                  HAS_LEN: tl.constexpr, SP: tl.constexpr, BLOCK_: tl.constexpr):
+def _topk_write(S, stride_s, LEN, stride_l, STATE, CNT, OUT, stride_o, B, N, C, K,
+                HAS_LEN: tl.constexpr, SP: tl.constexpr, BLOCK_: tl.constexpr):
     """The chunk's selected positions from slot ``gt_before + min(eq_before, rem)`` (keys above
     the cut in earlier chunks, plus the ties taken there), its ties ranked from ``eq_before``;
     chunk 0 also writes the ``-1`` tail. ``SP``: the chunk count padded to a power of two."""
@@ -298,13 +300,13 @@ def _split_launch(scores: Tensor, lens: tuple, out: Tensor, kk: int, K: int, chu
     state = ws[n_hist + n_cnt:].view(torch.int64)
     rows = (scores, scores.stride(0), *lens)
     for p in range(4):
-        _hist_kernel[(B, S)](*rows, hist, state, B, N, chunk, kk, P=p, HAS_LEN=has_len,
-                             MASKED_HIST=masked, BLOCK_=BLOCK, num_warps=NUM_WARPS)
-    _count_kernel[(B, S)](*rows, hist, state, cnt, B, N, chunk, kk, HAS_LEN=has_len,
-                          BLOCK_=BLOCK, num_warps=NUM_WARPS)
-    _write_kernel[(B, S)](*rows, state, cnt, out, out.stride(0), B, N, chunk, K,
-                          HAS_LEN=has_len, SP=triton.next_power_of_2(S), BLOCK_=BLOCK,
-                          num_warps=NUM_WARPS)
+        _topk_hist[(B, S)](*rows, hist, state, B, N, chunk, kk, P=p, HAS_LEN=has_len,
+                           MASKED_HIST=masked, BLOCK_=BLOCK, num_warps=NUM_WARPS)
+    _topk_count[(B, S)](*rows, hist, state, cnt, B, N, chunk, kk, HAS_LEN=has_len,
+                        BLOCK_=BLOCK, num_warps=NUM_WARPS)
+    _topk_write[(B, S)](*rows, state, cnt, out, out.stride(0), B, N, chunk, K,
+                        HAS_LEN=has_len, SP=triton.next_power_of_2(S), BLOCK_=BLOCK,
+                        num_warps=NUM_WARPS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -44,17 +44,17 @@ def test_kernels_compile_for_sm90_without_a_gpu(masked_hist):
         sig = dict(ROWS, **SPLIT, B="i32", N="i32", C="i32", kk="i32", P=C, HAS_LEN=C,
                    MASKED_HIST=C, BLOCK_=C)
         for p in range(4):
-            assert compile_sm90(t._hist_kernel, sig, {"P": p, "HAS_LEN": has_len, "BLOCK_": t.BLOCK,
-                                                      "MASKED_HIST": masked_hist}, t.NUM_WARPS)
+            assert compile_sm90(t._topk_hist, sig, {"P": p, "HAS_LEN": has_len, "BLOCK_": t.BLOCK,
+                                                    "MASKED_HIST": masked_hist}, t.NUM_WARPS)
         if masked_hist:  # (count and write build no histogram)
             sig = dict(ROWS, **SPLIT, CNT="*i32", B="i32", N="i32", C="i32", kk="i32",
                        HAS_LEN=C, BLOCK_=C)
-            assert compile_sm90(t._count_kernel, sig, {"HAS_LEN": has_len, "BLOCK_": t.BLOCK},
+            assert compile_sm90(t._topk_count, sig, {"HAS_LEN": has_len, "BLOCK_": t.BLOCK},
                                 t.NUM_WARPS)
             sig = dict(ROWS, STATE="*i64", CNT="*i32", OUT=out_ty, stride_o="i32", B="i32",
                        N="i32", C="i32", K="i32", HAS_LEN=C, SP=C, BLOCK_=C)
-            assert compile_sm90(t._write_kernel, sig, {"HAS_LEN": has_len, "SP": 32,
-                                                       "BLOCK_": t.BLOCK}, t.NUM_WARPS)
+            assert compile_sm90(t._topk_write, sig, {"HAS_LEN": has_len, "SP": 32,
+                                                     "BLOCK_": t.BLOCK}, t.NUM_WARPS)
 
 
 def test_auto_splits_fill_the_gpu_at_small_batch_only():
@@ -99,18 +99,21 @@ def test_compiled_kernel_on_cuda_at_decode_shapes():
 
     from hisparse_ray.kernels import topk_triton
 
-    assert main(60, "cuda") == 0
+    # (a few of the interpreter's cases only: each new shape compiles every split kernel anew;
+    # 60 cases ran past a 120 s limit on the H200, 2026-12-01 night)
+    assert main(6, "cuda") == 0
     g = torch.Generator(device="cuda").manual_seed(0)
-    for B in (1, 8, 64):
-        for N in (32768, 131072):
-            lengths = torch.randint(N // 2, N + 1, (B,), device="cuda", dtype=torch.int32)
-            for s in (torch.randn(B, N, device="cuda", generator=g),
-                      torch.relu(torch.randn(B, N, device="cuda", generator=g) - 2.0)):  # ~2 % > 0
-                want = expected(s, 2048, lengths)
-                one = topk_triton.select_positions(s, 2048, lengths=lengths, splits=1)
-                auto = topk_triton.select_positions(s, 2048, lengths=lengths)
-                assert torch.equal(one, want), (B, N, "splits=1")
-                assert torch.equal(auto, want), (B, N, topk_triton.auto_splits(B, N, s.device))
+    for B, N in [(1, 32768), (1, 131072), (8, 32768), (8, 131072), (64, 131072), (3, 70001)]:
+        lengths = torch.randint(N // 2, N + 1, (B,), device="cuda", dtype=torch.int32)
+        for s in (torch.randn(B, N, device="cuda", generator=g),
+                  torch.relu(torch.randn(B, N, device="cuda", generator=g) - 2.0),  # ~2 % > 0
+                  torch.zeros(B, N, device="cuda"),  # one tie wall: the cut by position only
+                  torch.where(torch.rand(B, N, device="cuda", generator=g) < 0.5, -0.0, 0.0)):
+            want = expected(s, 2048, lengths)
+            for splits in (1, 5, None):
+                got = topk_triton.select_positions(s, 2048, lengths=lengths, splits=splits)
+                assert torch.equal(got, want), (B, N, splits,
+                                                topk_triton.auto_splits(B, N, s.device))
     # replayed from a CUDA graph with new scores in the same buffers: one program per row
     # (batch 4 at 8K keys) and split rows (batch 1 at 128K keys: auto splits the row)
     for B, N in [(4, 8192), (1, 131072)]:
