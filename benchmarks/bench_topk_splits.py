@@ -15,31 +15,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_resolver import time_graph  # noqa: E402
+
 
 def graph_us(fn, calls: int, repeats: int) -> float:
     """Microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph (median of
-    ``repeats`` replays)."""
-    fn()  # compile / warm outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    ``repeats`` replays; ``bench_resolver.time_graph`` does the capture and timing)."""
+    fn()  # compile outside the capture
+
+    def many() -> None:
         for _ in range(calls):
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+
+    return time_graph(many, repeats) * 1e3 / calls
 
 
 def main() -> int:
