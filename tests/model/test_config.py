@@ -66,3 +66,41 @@ def test_a_missing_required_key_names_the_model_type():
         config_from_hf(d)
     with pytest.raises(ConfigError, match="must be a dict"):
         config_from_hf([("model_type", "deepseek_v32")])
+
+
+_FIELDS = ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+           "norm_topk_prob", "rms_norm_eps", "max_position_embeddings", "attention_bias",
+           "tie_word_embeddings")
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("absent", ["n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+                                    "norm_topk_prob", "rms_norm_eps", "max_position_embeddings",
+                                    "attention_bias", "tie_word_embeddings", "mlp_layer_types"])
+def test_an_absent_optional_key_takes_hf_transformers_default(kind, absent):
+    """A config.json without a key HF defaults parses to what transformers builds from it (was:
+    n_group 1 / topk_group 1 / routed_scaling_factor 1.0 / eps 1e-6 / 4096 positions for both kinds:
+    a DeepSeek folder silently routed and scaled its experts unlike the reference model)."""
+    import transformers
+
+    d = hf_config_dict(tiny_config(kind).with_(n_routed_experts=32, n_group=8,
+                                                   topk_group=1, num_experts_per_tok=2))
+    d.update(num_hidden_layers=5, first_k_dense_replace=1)
+    d.pop("mlp_layer_types")  # layers from first_k_dense_replace (HF's default when absent: 3)
+    d.pop(absent, None)
+    if absent == "mlp_layer_types":
+        d.pop("first_k_dense_replace")
+    d.pop("indexer_types", None)
+    ours = config_from_hf(d)
+    cls = transformers.DeepseekV32Config if kind == "deepseek_v32" else transformers.GlmMoeDsaConfig
+    hf = cls(**{k: v for k, v in d.items() if k != "model_type"})
+    for f in _FIELDS:
+        assert getattr(ours, f) == getattr(hf, f), f
+    assert ours.mlp_layer_types == tuple(hf.mlp_layer_types)
+    assert ours.rope.original_max_position_embeddings in (None, hf.rope_parameters["original_max_position_embeddings"])
+
+
+def test_num_experts_names_the_routed_experts_as_in_hf():
+    d = _hf("deepseek_v32")
+    d["num_experts"] = d.pop("n_routed_experts")
+    assert config_from_hf(d).n_routed_experts == tiny_config("deepseek_v32").n_routed_experts
