@@ -218,9 +218,11 @@ def indexer_types_from_hf(d: dict[str, Any], L: int) -> tuple[str, ...]:
 
 
 def _rope(d: dict[str, Any]) -> RopeConfig:
-    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    # HF reads a (legacy) ``rope_scaling`` in preference to ``rope_parameters`` when both are given
+    key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    rp = d.get(key) or {}
     if not isinstance(rp, dict):
-        raise ConfigError("rope_parameters", rp, "must be a dict (or absent)")
+        raise ConfigError(key, rp, "must be a dict (or absent)")
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     theta = _hf(rp, "rope_theta", None, kind="float")
     theta = _hf(d, "rope_theta", 10000.0, kind="float") if theta is None else theta

@@ -104,3 +104,20 @@ def test_num_experts_names_the_routed_experts_as_in_hf():
     d = _hf("deepseek_v32")
     d["num_experts"] = d.pop("n_routed_experts")
     assert config_from_hf(d).n_routed_experts == tiny_config("deepseek_v32").n_routed_experts
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_hf():
+    """A config.json carrying both (an edited legacy file): transformers builds its rope from
+    ``rope_scaling``; so must we (was: ``rope_parameters``, a default rope where HF ran yarn)."""
+    import transformers
+
+    d = _hf("deepseek_v32", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+    ours = config_from_hf(d)
+    hf = transformers.DeepseekV32Config(**{k: v for k, v in d.items() if k != "model_type"})
+    assert ours.rope.rope_type == hf.rope_parameters["rope_type"] == "yarn"
+    assert ours.rope.factor == hf.rope_parameters["factor"]
+    with pytest.raises(ConfigError) as ei:
+        config_from_hf(_hf(rope_scaling=[1]))
+    assert ei.value.key == "rope_scaling"
