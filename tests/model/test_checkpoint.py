@@ -157,3 +157,24 @@ def test_kept_fp8_model_decodes_exactly_and_each_gemm_is_within_fp8_rounding(fol
     tokens = generate(kept, prompts, 6, EngineConfig(num_device_blocks=12))
     assert tokens == generate(kept, prompts, 6, EngineConfig(full_resident=True))
     assert len(errs) > 100 and max(errs) < 0.04, max(errs)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_shard_folder_with_an_mtp_layer_and_dims_off_the_128_grid(tmp_path, fp8):
+    """The tiny model (hidden 64, MLA rows 48: every fp8 scale grid a ceil-div of partial blocks)
+    written in ONE shard with its MTP layer: the MTP copy of layer L-1's fp32 islands
+    (``weights_proj``, ``e_score_correction_bias``) aliased layer L-1's tensors, which safetensors
+    refuses to save in one file (was a RuntimeError from write_checkpoint). Loaded, it is the
+    model (fp8: the model's fp8 round trip) bitwise."""
+    from hisparse_ray.model.config import tiny_config
+
+    model = build_random_model(tiny_config("glm_moe_dsa"), seed=2)
+    folder = write_released(model, tmp_path / "m", fp8=fp8, shard_bytes=1 << 30, tokenizer=False,
+                            dtype=torch.float32)
+    assert len(list(folder.glob("*.safetensors"))) == 1
+    if fp8:
+        assert Checkpoint(folder).info("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv").shape == (1, 1)
+        model = roundtrip_fp8(model)
+    loaded = load_checkpoint(folder, dtype=torch.float32).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded[k], v), k
