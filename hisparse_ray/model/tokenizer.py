@@ -129,7 +129,8 @@ class HFTokenizer(BaseTokenizer):
         self.folder = Path(folder)
         path = self.folder / "tokenizer.json"
         if not path.is_file():
-            raise CheckpointError(str(self.folder), "tokenizer.json", "missing (the folder has no HF tokenizer)")
+            raise CheckpointError(str(self.folder), "tokenizer.json", "missing (the folder has no HF tokenizer: "
+                                  "give token ids, not text)")
         try:
             self._tok = _Tok.from_file(str(path))
         except Exception as err:  # the Rust library raises its own Exception type
