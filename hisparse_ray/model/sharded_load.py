@@ -13,9 +13,10 @@ file's touched pages plus one tensor's conversion buffers, never the checkpoint.
 Key layout: parameter names equal HF's; routed experts come packed
 (``mlp.experts.gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``, transformers 5.x) or per expert
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``, the released files), packed here gate rows first.
-Keys of layers ``>= num_hidden_layers`` (the MTP layers) and rotary buffers are skipped; any other
-key the model has no place for is an error, as is a missing key, a shape that does not match the
-config, a non-float dtype, or an fp8 weight without its ``weight_scale_inv``.
+Keys of layers ``>= num_hidden_layers`` (the MTP layers), indexer weights of layers the config
+makes ``"shared"`` (GLM index sharing over a checkpoint that has them) and rotary buffers are
+skipped; any other key the model has no place for is an error, as is a missing key, a shape that
+does not match the config, a non-float dtype, or an fp8 weight without its ``weight_scale_inv``.
 
 fp8 weights are dequantized (fp32 products, one rounding to the model dtype) unless ``fp8`` is
 ``"kernel"`` (or ``"auto"`` on a device the fp8 GEMM supports): then every linear that is called as
@@ -131,6 +132,9 @@ class _Plan:
             m = _LAYER.match(key)
             if m and int(m.group(1)) >= L:
                 continue  # MTP layers
+            if m and ".self_attn.indexer." in key and \
+                    self.ckpt.config.indexer_types[int(m.group(1))] == "shared":
+                continue  # a shared layer reuses its anchor's top-k: its indexer is unused (as in HF)
             if key.endswith("weight_scale_inv") and key[: -len("_scale_inv")] in self.expected:
                 continue
             raise CheckpointError(self.ckpt.info(key).file, key, "unexpected: this model has no such parameter")

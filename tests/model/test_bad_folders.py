@@ -15,7 +15,7 @@ from hisparse_ray.model.model import build_random_model
 from hisparse_ray.model.sharded_load import load_checkpoint
 from hisparse_ray.model.source import resolve
 
-from ._checkpoint import checkpoint_config, write_released
+from ._checkpoint import FP8_FORMAT, checkpoint_config, roundtrip_fp8, write_released
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +137,22 @@ def test_not_a_folder_or_kind(tmp_path):
         resolve("nope")
     with pytest.raises(CheckpointError, match="config.json.*missing"):
         resolve(tmp_path)
+
+
+def test_indexer_weights_of_layers_the_config_shares_are_ignored(tmp_path):
+    """GLM index sharing set in config.json over a checkpoint whose every layer has its indexer:
+    the shared layers' indexer tensors go unused, as transformers ignores them (was refused as
+    'unexpected'; fp8, so their scales too); the loaded model is the shared-config model on the
+    same weights. (An unknown key is still refused: test_unexpected_key.)"""
+    from hisparse_ray.model.config import tiny_config
+    from hisparse_ray.model.export import released_config
+
+    full = build_random_model(tiny_config("glm_moe_dsa").with_(indexer_types=("full",) * 4), seed=2)
+    folder = write_released(full, tmp_path / "m", tokenizer=False, dtype=torch.float32)
+    shared = tiny_config("glm_moe_dsa")  # F S F S
+    (folder / "config.json").write_text(json.dumps(released_config(shared, fp8=FP8_FORMAT, num_mtp_layers=1)))
+    model = _load(folder)
+    assert model.cfg.indexer_types == shared.indexer_types and model.model.layers[1].self_attn.indexer is None
+    want = roundtrip_fp8(full).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
