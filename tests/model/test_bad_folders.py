@@ -156,3 +156,15 @@ def test_indexer_weights_of_layers_the_config_shares_are_ignored(tmp_path):
     want = roundtrip_fp8(full).state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+def test_a_rewritten_shard_is_seen_by_the_next_resolve(folder):
+    """``resolve`` caches a folder's Checkpoint (its shards' header tables). A shard rewritten in
+    place, config.json and the index untouched, must be re-read (was: the stale table, so a
+    tensor removed from the shard failed inside safetensors, naming neither file nor cause)."""
+    key = "model.norm.weight"
+    resolve(folder).load(dtype=torch.float32)  # cached now
+    _rewrite(folder, key, lambda t: {k: v for k, v in t.items() if k != key})
+    with pytest.raises(CheckpointError, match="model.norm.weight: listed in model.safetensors.index.json "
+                                              "but not in the file"):
+        resolve(folder).load(dtype=torch.float32)
