@@ -121,3 +121,28 @@ def test_rope_scaling_wins_over_rope_parameters_as_in_hf():
     with pytest.raises(ConfigError) as ei:
         config_from_hf(_hf(rope_scaling=[1]))
     assert ei.value.key == "rope_scaling"
+
+
+def test_quantization_config_as_transformers_writes_it():
+    """``FineGrainedFP8Config`` as saved by transformers (``scale_fmt: "float"``) and one that
+    leaves ``weight_block_size`` to its default (128, 128) or capitalizes the activation scheme
+    parse as HF reads them (were refused); what HF refuses too still raises naming the key."""
+    import json
+
+    import transformers
+
+    from hisparse_ray.model.fp8 import Fp8Format, parse_quantization
+
+    saved = json.loads(transformers.FineGrainedFP8Config().to_json_string())
+    assert saved["scale_fmt"] == "float"
+    assert parse_quantization(saved) == Fp8Format((128, 128), ue8m0=False)
+    assert parse_quantization({"quant_method": "fp8", "activation_scheme": "Dynamic"}) == Fp8Format()
+    assert parse_quantization({"quant_method": "fp8", "scale_fmt": "ue8m0",
+                               "weight_block_size": [64, 32]}) == Fp8Format((64, 32), ue8m0=True)
+    for bad, key in (({"weight_block_size": None}, "weight_block_size"),
+                     ({"weight_block_size": [128]}, "weight_block_size"),
+                     ({"scale_fmt": "e8m0"}, "scale_fmt"),
+                     ({"activation_scheme": "static"}, "activation_scheme")):
+        with pytest.raises(ConfigError) as ei:
+            parse_quantization({"quant_method": "fp8", **bad})
+        assert ei.value.key == f"quantization_config.{key}"
