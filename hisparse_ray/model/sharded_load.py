@@ -19,8 +19,9 @@ skipped; any other key the model has no place for is an error, as is a missing k
 does not match the config, a non-float dtype, or an fp8 weight without its ``weight_scale_inv``.
 
 fp8 weights are dequantized (fp32 products, one rounding to the model dtype) unless ``fp8`` is
-``"kernel"`` (or ``"auto"`` on a device the fp8 GEMM supports): then every linear that is called as
-a module (all but ``kv_b_proj``, whose weight the absorbed attention reads directly) and the routed
+``"kernel"`` (or ``"auto"`` on a device the fp8 GEMM supports, with dtype bf16 and 128x128 blocks;
+:func:`keeps_fp8`): then every linear that is called as a module (all but ``kv_b_proj``, whose
+weight the absorbed attention reads directly) and the routed
 experts keep their fp8 bytes and scales, provided this rank's slice starts and ends on 128-row
 block edges (else that one weight is dequantized).
 """
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 
 from hisparse_ray.errors import CheckpointError, ConfigError
 from hisparse_ray.model.checkpoint import Checkpoint
-from hisparse_ray.model.fp8 import FP8, Fp8Linear, dequantize, set_fp8_backend
+from hisparse_ray.model.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, set_fp8_backend
 from hisparse_ray.model.layers import Experts
 from hisparse_ray.model.model import DSAModel
 
@@ -228,6 +229,24 @@ def _fill(param: Tensor, piece: Piece, reader, scales: dict[str, Tensor], plan: 
     dst.copy_(value)
 
 
+def keeps_fp8(fmt: Fp8Format | None, fp8: str, gemm_supported: bool, dtype: torch.dtype) -> bool:
+    """Whether an ``fmt`` checkpoint's weights stay fp8 under mode ``fp8`` on a device where the fp8
+    GEMM is (``gemm_supported``) or is not available, for model ``dtype``. ``"auto"`` keeps them only
+    where the GEMM runs them (CUDA sm90, bf16, 128x128 blocks) and dequantizes everywhere else;
+    ``"kernel"`` / ``"torch"`` that cannot keep them raise a ConfigError naming ``fp8``."""
+    if fmt is None or fp8 == "dequantize":
+        return False
+    if fp8 == "auto":
+        return gemm_supported and dtype == torch.bfloat16 and fmt.block == (128, 128)
+    if fmt.block != (128, 128):
+        raise ConfigError("fp8", fp8, f"weights kept fp8 need 128x128 blocks, the checkpoint has "
+                          f"{fmt.block}; use 'dequantize'")
+    if fp8 == "kernel" and (not gemm_supported or dtype != torch.bfloat16):
+        raise ConfigError("fp8", fp8, "'kernel' needs a CUDA device of compute capability 9.x with "
+                          "sgl-deep-gemm and dtype bfloat16; use 'dequantize'")
+    return True
+
+
 def load_checkpoint(
     ckpt: Checkpoint | str,
     *,
@@ -253,14 +272,7 @@ def load_checkpoint(
     if tp_size < 1 or not 0 <= rank < tp_size or cfg.num_attention_heads % tp_size:
         raise ConfigError("tp_size", tp_size, f"must divide num_attention_heads {cfg.num_attention_heads} "
                           f"(rank {rank})")
-    keep_fp8 = ckpt.fp8 is not None and fp8 != "dequantize" and (
-        fp8 in ("kernel", "torch") or fp8_gemm.supported(device))
-    if keep_fp8 and ckpt.fp8.block != (128, 128):
-        raise ConfigError("fp8", fp8, f"weights kept fp8 need 128x128 blocks, the checkpoint has "
-                          f"{ckpt.fp8.block}; use 'dequantize'")
-    if keep_fp8 and fp8 != "torch" and (not fp8_gemm.supported(device) or dtype != torch.bfloat16):
-        raise ConfigError("fp8", fp8, "'kernel' needs a CUDA device of compute capability 9.x with "
-                          "sgl-deep-gemm and dtype bfloat16; use 'dequantize'")
+    keep_fp8 = keeps_fp8(ckpt.fp8, fp8, fp8_gemm.supported(device), dtype)
     with torch.device("meta"):
         model = DSAModel(cfg)
     model.cast_(dtype)

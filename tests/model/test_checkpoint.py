@@ -178,3 +178,25 @@ def test_one_shard_folder_with_an_mtp_layer_and_dims_off_the_128_grid(tmp_path, 
     loaded = load_checkpoint(folder, dtype=torch.float32).state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(loaded[k], v), k
+
+
+def test_auto_fp8_dequantizes_wherever_the_gemm_cannot_keep_the_weights():
+    """``fp8="auto"`` (the default of every front door) on a GPU the fp8 GEMM supports, with an
+    fp32 model or a checkpoint of non-128x128 blocks, dequantizes (was a ConfigError telling the
+    user to pass 'dequantize'); an explicit "kernel" still refuses by name."""
+    from hisparse_ray.errors import ConfigError
+    from hisparse_ray.model.fp8 import Fp8Format
+    from hisparse_ray.model.sharded_load import keeps_fp8
+
+    std, odd = Fp8Format((128, 128), True), Fp8Format((64, 64))
+    assert keeps_fp8(std, "auto", True, torch.bfloat16)
+    for fmt, gemm, dtype in ((std, True, torch.float32), (odd, True, torch.bfloat16),
+                             (std, False, torch.bfloat16), (None, True, torch.bfloat16)):
+        assert not keeps_fp8(fmt, "auto", gemm, dtype)
+        assert not keeps_fp8(fmt, "dequantize", gemm, dtype)
+    assert keeps_fp8(std, "torch", False, torch.float32)
+    for fmt, mode, gemm, dtype in ((std, "kernel", True, torch.float32), (std, "kernel", False, torch.bfloat16),
+                                   (odd, "kernel", True, torch.bfloat16), (odd, "torch", False, torch.float32)):
+        with pytest.raises(ConfigError) as ei:
+            keeps_fp8(fmt, mode, gemm, dtype)
+        assert ei.value.key == "fp8"
