@@ -186,7 +186,10 @@ def _swap_to_fp8(model: DSAModel, plan: _Plan) -> None:
         parent = model.get_submodule(parent_name)
         old = getattr(parent, attr)
         out_f, in_f = old.weight.shape  # after shard_heads (out|in)_features still name the full layer
-        setattr(parent, attr, Fp8Linear(in_f, out_f, old.bias is not None, block))
+        new = Fp8Linear(in_f, out_f, old.bias is not None, block)
+        if old.bias is not None:  # the bias stays in the model dtype (Fp8Linear makes it fp32)
+            new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
+        setattr(parent, attr, new)
         (p,) = plan.pieces[f"{name}.weight"]
         plan.pieces[f"{name}.weight"] = [Piece(p.key, (), p.rows, p.cols, raw=True)]
         plan.pieces[f"{name}.weight_scale_inv"] = [

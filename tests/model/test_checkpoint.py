@@ -200,3 +200,20 @@ def test_auto_fp8_dequantizes_wherever_the_gemm_cannot_keep_the_weights():
         with pytest.raises(ConfigError) as ei:
             keeps_fp8(fmt, mode, gemm, dtype)
         assert ei.value.key == "fp8"
+
+
+def test_kept_fp8_linears_with_attention_bias_run_in_bf16(tmp_path):
+    """``attention_bias`` (q_a_proj, kv_a_proj_with_mqa, o_proj biases) on weights kept fp8: the
+    biases were fp32 in a bf16 model, so q_a_proj's output became fp32 and the first decode step
+    failed ('expected m1 and m2 to have the same dtype'). Now they keep the model dtype (and the
+    checkpoint's values) and the bf16 model decodes."""
+    cfg = checkpoint_config("deepseek_v32", layers=2).with_(attention_bias=True)
+    folder = write_released(build_random_model(cfg, seed=9), tmp_path / "m", tokenizer=False)
+    kept = load_checkpoint(folder, dtype=torch.bfloat16, fp8="torch")
+    deq = load_checkpoint(folder, dtype=torch.bfloat16)
+    biases = {n: p for n, p in kept.named_parameters() if n.endswith(("proj.bias", "mqa.bias"))}
+    assert len(biases) == 3 * cfg.num_hidden_layers
+    for n, p in biases.items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, deq.get_parameter(n)), n
+    prompt = [[(5 * i) % 300 for i in range(12)]]
+    assert len(generate(kept, prompt, 3, EngineConfig(full_resident=True))[0]) == 3
