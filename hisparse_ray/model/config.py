@@ -281,7 +281,8 @@ def config_from_hf(d: dict[str, Any]) -> DSAConfig:
         rms_norm_eps=_hf(d, "rms_norm_eps", dflt["rms_norm_eps"], kind="float"),
         max_position_embeddings=_hf(d, "max_position_embeddings", dflt["max_position_embeddings"]),
         mlp_layer_types=tuple(mlp) if isinstance(mlp, (list, tuple)) else mlp,
-        indexer_types=indexer_types_from_hf(d, L),
+        # transformers' DeepSeek-V3.2 runs every layer's indexer whatever sharing keys a config carries
+        indexer_types=indexer_types_from_hf(d, L) if kind == "glm_moe_dsa" else ("full",) * L,
         rope=_rope(d),
         attention_bias=_hf(d, "attention_bias", dflt["attention_bias"], kind="bool"),
         tie_word_embeddings=_hf(d, "tie_word_embeddings", dflt["tie_word_embeddings"], kind="bool"),

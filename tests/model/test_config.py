@@ -146,3 +146,21 @@ def test_quantization_config_as_transformers_writes_it():
         with pytest.raises(ConfigError) as ei:
             parse_quantization({"quant_method": "fp8", **bad})
         assert ei.value.key == f"quantization_config.{key}"
+
+
+@pytest.mark.parametrize("sharing", [{"indexer_types": ["full", "shared", "full", "shared"]},
+                                     {"index_topk_freq": 2}, {"index_topk_pattern": "FSFS"}])
+def test_deepseek_ignores_glm_index_sharing_keys_as_hf_does(sharing):
+    """transformers' DeepSeek-V3.2 builds an indexer on every layer whatever GLM sharing keys its
+    config.json carries (was: we shared top-k on DeepSeek layers, diverging from the reference)."""
+    import transformers
+
+    d = _hf("deepseek_v32", **sharing)
+    assert config_from_hf(d).indexer_types == ("full",) * 4
+    hf = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+        **{k: v for k, v in d.items() if k != "model_type"}))
+    assert all(layer.self_attn.indexer is not None for layer in hf.model.layers)
+    g = _hf("glm_moe_dsa", **sharing)
+    glm = config_from_hf(g).indexer_types
+    assert "shared" in glm and glm == tuple(transformers.GlmMoeDsaConfig(
+        **{k: v for k, v in g.items() if k != "model_type"}).indexer_types)
