@@ -159,6 +159,6 @@ def random_items(cfg: DSAConfig, seed: int = 0, device: str | torch.device = "cp
         elif key.endswith("e_score_correction_bias"):
             yield key, normal(0.1)
         elif len(shape) >= 2:
-            yield key, normal(shape[-1] ** -0.5)
+            yield key, normal(max(shape[-1], 1) ** -0.5)
         else:
             yield key, normal(0.02)

@@ -213,7 +213,7 @@ def init_random_(model: DSAModel, seed: int) -> DSAModel:
         elif name.endswith("embed_tokens.weight"):
             new = normal(p.shape, 1.0)
         elif p.dim() >= 2:
-            new = normal(p.shape, p.shape[-1] ** -0.5)
+            new = normal(p.shape, max(p.shape[-1], 1) ** -0.5)  # fan-in 0: n_shared_experts 0
         else:
             new = normal(p.shape, 0.02)
         p.copy_(new.to(p.dtype))
