@@ -168,3 +168,22 @@ def test_a_rewritten_shard_is_seen_by_the_next_resolve(folder):
     with pytest.raises(CheckpointError, match="model.norm.weight: listed in model.safetensors.index.json "
                                               "but not in the file"):
         resolve(folder).load(dtype=torch.float32)
+
+
+def test_ue8m0_scales_stored_as_e8m0_load_like_fp32_ones(folder):
+    """A folder whose power-of-two ``weight_scale_inv`` are stored as float8_e8m0fnu (1 byte a
+    scale) instead of fp32: loads to exactly the same weights (was: 'dtype F8_E8M0 is not
+    supported' for the whole folder)."""
+    from safetensors.torch import load_file, save_file
+
+    want = _load(folder).state_dict()
+    for f in sorted(set(_index(folder)["weight_map"].values())):
+        t = load_file(str(folder / f))
+        save_file({k: v.to(torch.float8_e8m0fnu) if k.endswith("_scale_inv") else v
+                   for k, v in t.items()}, str(folder / f))
+    ckpt = Checkpoint(folder)
+    assert ckpt.info("model.layers.0.self_attn.q_a_proj.weight_scale_inv").dtype == torch.float8_e8m0fnu
+    got = _load(folder).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    kept = load_checkpoint(folder, dtype=torch.float32, fp8="torch")
+    assert kept.model.layers[0].self_attn.q_a_proj.weight_scale_inv.dtype == torch.float32
