@@ -116,6 +116,11 @@ class DSAModel(nn.Module):
         """
         cfg = self.cfg
         T = tokens.shape[0]
+        if T == 0:  # a prefill of nothing (a 1-token prompt's positions 0..P-2): empty results
+            L, dev = cfg.num_hidden_layers, self.device
+            return (torch.empty(0, cfg.vocab_size, device=dev),
+                    torch.empty(L, 0, cfg.row_dim, dtype=self.dtype, device=dev),
+                    torch.zeros(L, 0, cfg.index_head_dim, dtype=self.dtype, device=dev))
         rm = RowMath(self.batch_invariant if batch_invariant is None else batch_invariant)
         elem = torch.empty((), dtype=self.dtype).element_size()
         heads = self.model.layers[0].self_attn.heads if cfg.num_hidden_layers else cfg.num_attention_heads
