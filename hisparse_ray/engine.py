@@ -315,6 +315,11 @@ class Engine:
 def _token_ids(rid: RequestId, prompt: Any) -> list[int]:
     """``prompt`` as a list of Python ints: any iterable of integers (numpy's, 0-d torch tensors
     too); InvalidRequestError for anything else (None, floats, bools, strings)."""
+    if isinstance(prompt, (str, bytes)):
+        raise InvalidRequestError(rid, f"prompt is text ({prompt[:40]!r}): the engine takes token "
+                                       "ids; encode it with the model's tokenizer first "
+                                       "(hisparse_ray.model.source.resolve(folder).tokenizer(); "
+                                       "a folder without tokenizer.json takes token ids only)")
     try:
         items = list(prompt)
     except TypeError:

@@ -34,6 +34,8 @@ DTYPES = {
     "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
     "U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # power-of-two block scales (ue8m0) stored as such; torch >= 2.7
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
 @dataclass(frozen=True, slots=True)

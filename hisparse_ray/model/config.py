@@ -159,6 +159,18 @@ _POSITIVE_INTS = (
 )
 _REQUIRED = object()
 
+# transformers 5.23.0's defaults (DeepseekV32Config / GlmMoeDsaConfig fields) for the keys a
+# config.json may leave out; the shape keys (vocab, hidden, heads, ranks, experts) stay required:
+# HF's defaults there are the full-size model's, never what a smaller folder's weights hold.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v32": dict(n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                         norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=163840,
+                         first_k_dense_replace=3, attention_bias=False, tie_word_embeddings=False),
+    "glm_moe_dsa": dict(n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=202752,
+                        first_k_dense_replace=3, attention_bias=False, tie_word_embeddings=False),
+}
+
 
 def _hf(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, kind: str = "int") -> Any:
     """HF key ``key`` of ``d`` as an int / float / bool (``kind``): ConfigError naming the key
@@ -206,9 +218,11 @@ def indexer_types_from_hf(d: dict[str, Any], L: int) -> tuple[str, ...]:
 
 
 def _rope(d: dict[str, Any]) -> RopeConfig:
-    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    # HF reads a (legacy) ``rope_scaling`` in preference to ``rope_parameters`` when both are given
+    key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    rp = d.get(key) or {}
     if not isinstance(rp, dict):
-        raise ConfigError("rope_parameters", rp, "must be a dict (or absent)")
+        raise ConfigError(key, rp, "must be a dict (or absent)")
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     theta = _hf(rp, "rope_theta", None, kind="float")
     theta = _hf(d, "rope_theta", 10000.0, kind="float") if theta is None else theta
@@ -238,14 +252,17 @@ def config_from_hf(d: dict[str, Any]) -> DSAConfig:
     kind = d.get("model_type")
     check_choice("model_type", kind, KINDS)
     L = check_int("num_hidden_layers", _hf(d, "num_hidden_layers"), lo=1)
+    dflt = HF_DEFAULTS[kind]
     mlp = d.get("mlp_layer_types")
     if mlp is None:
-        n_dense = _hf(d, "first_k_dense_replace", 3)
+        n_dense = _hf(d, "first_k_dense_replace", dflt["first_k_dense_replace"])
         if n_dense < 0:
             raise ConfigError("first_k_dense_replace", n_dense, "must be an integer >= 0")
         n_dense = min(n_dense, L)
         mlp = ["dense"] * n_dense + ["sparse"] * (L - n_dense)
-    experts = "n_routed_experts" if d.get("n_routed_experts") is not None else "num_local_experts"
+    # HF: a ``num_experts`` kwarg overrides n_routed_experts; ``num_local_experts`` is its alias
+    experts = next((k for k in ("num_experts", "n_routed_experts") if d.get(k) is not None),
+                   "num_local_experts")
     ints = {k: _hf(d, k) for k in (
         "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
         "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -256,18 +273,19 @@ def config_from_hf(d: dict[str, Any]) -> DSAConfig:
         num_hidden_layers=L,
         **ints,
         n_routed_experts=_hf(d, experts),
-        n_shared_experts=_hf(d, "n_shared_experts", 1),
-        n_group=_hf(d, "n_group", 1),
-        topk_group=_hf(d, "topk_group", 1),
-        routed_scaling_factor=_hf(d, "routed_scaling_factor", 1.0, kind="float"),
-        norm_topk_prob=_hf(d, "norm_topk_prob", True, kind="bool"),
-        rms_norm_eps=_hf(d, "rms_norm_eps", 1e-6, kind="float"),
-        max_position_embeddings=_hf(d, "max_position_embeddings", 4096),
+        n_shared_experts=_hf(d, "n_shared_experts", dflt["n_shared_experts"]),
+        n_group=_hf(d, "n_group", dflt["n_group"]),
+        topk_group=_hf(d, "topk_group", dflt["topk_group"]),
+        routed_scaling_factor=_hf(d, "routed_scaling_factor", dflt["routed_scaling_factor"], kind="float"),
+        norm_topk_prob=_hf(d, "norm_topk_prob", dflt["norm_topk_prob"], kind="bool"),
+        rms_norm_eps=_hf(d, "rms_norm_eps", dflt["rms_norm_eps"], kind="float"),
+        max_position_embeddings=_hf(d, "max_position_embeddings", dflt["max_position_embeddings"]),
         mlp_layer_types=tuple(mlp) if isinstance(mlp, (list, tuple)) else mlp,
-        indexer_types=indexer_types_from_hf(d, L),
+        # transformers' DeepSeek-V3.2 runs every layer's indexer whatever sharing keys a config carries
+        indexer_types=indexer_types_from_hf(d, L) if kind == "glm_moe_dsa" else ("full",) * L,
         rope=_rope(d),
-        attention_bias=_hf(d, "attention_bias", False, kind="bool"),
-        tie_word_embeddings=_hf(d, "tie_word_embeddings", False, kind="bool"),
+        attention_bias=_hf(d, "attention_bias", dflt["attention_bias"], kind="bool"),
+        tie_word_embeddings=_hf(d, "tie_word_embeddings", dflt["tie_word_embeddings"], kind="bool"),
     )
 
 

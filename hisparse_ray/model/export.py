@@ -98,7 +98,10 @@ def write_checkpoint(path: str | Path, config: dict[str, Any], items: Iterable[t
         else:
             out = {key: t}
         for k, v in out.items():
-            shard[k] = v.contiguous().cpu()
+            v = v.contiguous().cpu()
+            if v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                v = v.clone()  # the shard owns its tensors: safetensors refuses two keys sharing memory
+            shard[k] = v
             n = v.numel() * v.element_size()
             size += n
             total += n
@@ -156,6 +159,6 @@ def random_items(cfg: DSAConfig, seed: int = 0, device: str | torch.device = "cp
         elif key.endswith("e_score_correction_bias"):
             yield key, normal(0.1)
         elif len(shape) >= 2:
-            yield key, normal(shape[-1] ** -0.5)
+            yield key, normal(max(shape[-1], 1) ** -0.5)
         else:
             yield key, normal(0.02)

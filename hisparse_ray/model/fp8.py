@@ -49,16 +49,19 @@ def parse_quantization(q: Any) -> Fp8Format | None:
                           "only 'fp8' (block-quantized e4m3, as released) is supported")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ConfigError("quantization_config.fmt", q.get("fmt"), "only 'e4m3'")
-    if q.get("activation_scheme", "dynamic") != "dynamic":
-        raise ConfigError("quantization_config.activation_scheme", q.get("activation_scheme"),
+    scheme = q.get("activation_scheme", "dynamic")
+    if not isinstance(scheme, str) or scheme.lower() != "dynamic":  # HF lower-cases it
+        raise ConfigError("quantization_config.activation_scheme", scheme,
                           "only 'dynamic' (activation scales computed per token at run time)")
-    block = q.get("weight_block_size")
+    # absent: transformers' FineGrainedFP8Config default (128, 128); null would mean per-tensor scales
+    block = q.get("weight_block_size", list(BLOCK))
     if not (isinstance(block, (list, tuple)) and len(block) == 2
-            and all(isinstance(b, int) and b > 0 for b in block)):
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ConfigError("quantization_config.weight_block_size", block, "two positive integers")
     scale_fmt = q.get("scale_fmt")
-    if scale_fmt not in (None, "ue8m0", "float32"):
-        raise ConfigError("quantization_config.scale_fmt", scale_fmt, "absent, 'ue8m0' or 'float32'")
+    if scale_fmt not in (None, "ue8m0", "float", "float32"):  # "float": what transformers writes
+        raise ConfigError("quantization_config.scale_fmt", scale_fmt,
+                          "absent, 'ue8m0', 'float' or 'float32'")
     return Fp8Format(block=(block[0], block[1]), ue8m0=scale_fmt == "ue8m0")
 
 

@@ -5,7 +5,8 @@ Accepted key layouts: transformers 5.x (packed experts ``mlp.experts.gate_up_pro
 ``down_proj [E, D, I]``) and the per-expert layout of the original checkpoints
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``), which is packed here (gate rows first). Keys of
 layers ``>= num_hidden_layers`` (the MTP layer of released checkpoints) and rotary buffers are dropped.
-fp8 block-quantized checkpoints (``*.weight_scale_inv``) are refused: dequantize them first.
+fp8 block-quantized state dicts (``*.weight_scale_inv``) are refused: dequantize them first; a
+folder (:func:`from_pretrained_dir`) goes through the folder loader, which dequantizes them.
 """
 
 from __future__ import annotations
@@ -85,18 +86,13 @@ def from_hf_model(hf_model: torch.nn.Module, *, dtype: torch.dtype | None = None
 def from_pretrained_dir(
     path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
 ) -> DSAModel:
-    """From a directory with ``config.json`` and ``*.safetensors`` shards (no network)."""
-    from safetensors.torch import load_file
+    """From a directory with ``config.json`` and safetensors files (no network): the folder loader
+    (:func:`~hisparse_ray.model.sharded_load.load_checkpoint`), so the index decides which files
+    count, fp8 weights are dequantized and every problem is a CheckpointError naming file and key
+    (was: every ``*.safetensors`` merged, stale ones included, and fp8 folders refused)."""
+    from hisparse_ray.model.sharded_load import load_checkpoint
 
-    path = Path(path)
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError("path", str(path), "a directory holding *.safetensors files")
-    sd: dict[str, Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(f), device=str(device)))
-    return from_state_dict(cfg, sd, dtype=dtype, device=device)
+    return load_checkpoint(Path(path), dtype=dtype, device=device, fp8="dequantize")
 
 
 def save_pretrained_dir(model: DSAModel, path: str | Path) -> None:

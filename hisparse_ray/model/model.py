@@ -116,6 +116,11 @@ class DSAModel(nn.Module):
         """
         cfg = self.cfg
         T = tokens.shape[0]
+        if T == 0:  # a prefill of nothing (a 1-token prompt's positions 0..P-2): empty results
+            L, dev = cfg.num_hidden_layers, self.device
+            return (torch.empty(0, cfg.vocab_size, device=dev),
+                    torch.empty(L, 0, cfg.row_dim, dtype=self.dtype, device=dev),
+                    torch.zeros(L, 0, cfg.index_head_dim, dtype=self.dtype, device=dev))
         rm = RowMath(self.batch_invariant if batch_invariant is None else batch_invariant)
         elem = torch.empty((), dtype=self.dtype).element_size()
         heads = self.model.layers[0].self_attn.heads if cfg.num_hidden_layers else cfg.num_attention_heads
@@ -213,7 +218,7 @@ def init_random_(model: DSAModel, seed: int) -> DSAModel:
         elif name.endswith("embed_tokens.weight"):
             new = normal(p.shape, 1.0)
         elif p.dim() >= 2:
-            new = normal(p.shape, p.shape[-1] ** -0.5)
+            new = normal(p.shape, max(p.shape[-1], 1) ** -0.5)  # fan-in 0: n_shared_experts 0
         else:
             new = normal(p.shape, 0.02)
         p.copy_(new.to(p.dtype))

@@ -13,13 +13,15 @@ file's touched pages plus one tensor's conversion buffers, never the checkpoint.
 Key layout: parameter names equal HF's; routed experts come packed
 (``mlp.experts.gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``, transformers 5.x) or per expert
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``, the released files), packed here gate rows first.
-Keys of layers ``>= num_hidden_layers`` (the MTP layers) and rotary buffers are skipped; any other
-key the model has no place for is an error, as is a missing key, a shape that does not match the
-config, a non-float dtype, or an fp8 weight without its ``weight_scale_inv``.
+Keys of layers ``>= num_hidden_layers`` (the MTP layers), indexer weights of layers the config
+makes ``"shared"`` (GLM index sharing over a checkpoint that has them) and rotary buffers are
+skipped; any other key the model has no place for is an error, as is a missing key, a shape that
+does not match the config, a non-float dtype, or an fp8 weight without its ``weight_scale_inv``.
 
 fp8 weights are dequantized (fp32 products, one rounding to the model dtype) unless ``fp8`` is
-``"kernel"`` (or ``"auto"`` on a device the fp8 GEMM supports): then every linear that is called as
-a module (all but ``kv_b_proj``, whose weight the absorbed attention reads directly) and the routed
+``"kernel"`` (or ``"auto"`` on a device the fp8 GEMM supports, with dtype bf16 and 128x128 blocks;
+:func:`keeps_fp8`): then every linear that is called as a module (all but ``kv_b_proj``, whose
+weight the absorbed attention reads directly) and the routed
 experts keep their fp8 bytes and scales, provided this rank's slice starts and ends on 128-row
 block edges (else that one weight is dequantized).
 """
@@ -36,7 +38,7 @@ from torch import Tensor, nn
 
 from hisparse_ray.errors import CheckpointError, ConfigError
 from hisparse_ray.model.checkpoint import Checkpoint
-from hisparse_ray.model.fp8 import FP8, Fp8Linear, dequantize, set_fp8_backend
+from hisparse_ray.model.fp8 import FP8, Fp8Format, Fp8Linear, dequantize, set_fp8_backend
 from hisparse_ray.model.layers import Experts
 from hisparse_ray.model.model import DSAModel
 
@@ -131,6 +133,9 @@ class _Plan:
             m = _LAYER.match(key)
             if m and int(m.group(1)) >= L:
                 continue  # MTP layers
+            if m and ".self_attn.indexer." in key and \
+                    self.ckpt.config.indexer_types[int(m.group(1))] == "shared":
+                continue  # a shared layer reuses its anchor's top-k: its indexer is unused (as in HF)
             if key.endswith("weight_scale_inv") and key[: -len("_scale_inv")] in self.expected:
                 continue
             raise CheckpointError(self.ckpt.info(key).file, key, "unexpected: this model has no such parameter")
@@ -181,7 +186,10 @@ def _swap_to_fp8(model: DSAModel, plan: _Plan) -> None:
         parent = model.get_submodule(parent_name)
         old = getattr(parent, attr)
         out_f, in_f = old.weight.shape  # after shard_heads (out|in)_features still name the full layer
-        setattr(parent, attr, Fp8Linear(in_f, out_f, old.bias is not None, block))
+        new = Fp8Linear(in_f, out_f, old.bias is not None, block)
+        if old.bias is not None:  # the bias stays in the model dtype (Fp8Linear makes it fp32)
+            new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
+        setattr(parent, attr, new)
         (p,) = plan.pieces[f"{name}.weight"]
         plan.pieces[f"{name}.weight"] = [Piece(p.key, (), p.rows, p.cols, raw=True)]
         plan.pieces[f"{name}.weight_scale_inv"] = [
@@ -224,6 +232,24 @@ def _fill(param: Tensor, piece: Piece, reader, scales: dict[str, Tensor], plan: 
     dst.copy_(value)
 
 
+def keeps_fp8(fmt: Fp8Format | None, fp8: str, gemm_supported: bool, dtype: torch.dtype) -> bool:
+    """Whether an ``fmt`` checkpoint's weights stay fp8 under mode ``fp8`` on a device where the fp8
+    GEMM is (``gemm_supported``) or is not available, for model ``dtype``. ``"auto"`` keeps them only
+    where the GEMM runs them (CUDA sm90, bf16, 128x128 blocks) and dequantizes everywhere else;
+    ``"kernel"`` / ``"torch"`` that cannot keep them raise a ConfigError naming ``fp8``."""
+    if fmt is None or fp8 == "dequantize":
+        return False
+    if fp8 == "auto":
+        return gemm_supported and dtype == torch.bfloat16 and fmt.block == (128, 128)
+    if fmt.block != (128, 128):
+        raise ConfigError("fp8", fp8, f"weights kept fp8 need 128x128 blocks, the checkpoint has "
+                          f"{fmt.block}; use 'dequantize'")
+    if fp8 == "kernel" and (not gemm_supported or dtype != torch.bfloat16):
+        raise ConfigError("fp8", fp8, "'kernel' needs a CUDA device of compute capability 9.x with "
+                          "sgl-deep-gemm and dtype bfloat16; use 'dequantize'")
+    return True
+
+
 def load_checkpoint(
     ckpt: Checkpoint | str,
     *,
@@ -249,14 +275,7 @@ def load_checkpoint(
     if tp_size < 1 or not 0 <= rank < tp_size or cfg.num_attention_heads % tp_size:
         raise ConfigError("tp_size", tp_size, f"must divide num_attention_heads {cfg.num_attention_heads} "
                           f"(rank {rank})")
-    keep_fp8 = ckpt.fp8 is not None and fp8 != "dequantize" and (
-        fp8 in ("kernel", "torch") or fp8_gemm.supported(device))
-    if keep_fp8 and ckpt.fp8.block != (128, 128):
-        raise ConfigError("fp8", fp8, f"weights kept fp8 need 128x128 blocks, the checkpoint has "
-                          f"{ckpt.fp8.block}; use 'dequantize'")
-    if keep_fp8 and fp8 != "torch" and (not fp8_gemm.supported(device) or dtype != torch.bfloat16):
-        raise ConfigError("fp8", fp8, "'kernel' needs a CUDA device of compute capability 9.x with "
-                          "sgl-deep-gemm and dtype bfloat16; use 'dequantize'")
+    keep_fp8 = keeps_fp8(ckpt.fp8, fp8, fp8_gemm.supported(device), dtype)
     with torch.device("meta"):
         model = DSAModel(cfg)
     model.cast_(dtype)

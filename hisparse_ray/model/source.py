@@ -52,11 +52,14 @@ class ModelSource:
 
     def checkpoint(self):
         """The folder's :class:`~hisparse_ray.model.checkpoint.Checkpoint` (cached; re-read when
-        config.json or the index changes)."""
+        config.json, the index or any safetensors file changes: the cached tensor tables are
+        those files' headers)."""
         if not self.is_folder:
             raise ConfigError("model", self.name, "a built-in kind has no checkpoint")
-        stamps = tuple((p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else (0, 0)
-                       for p in (Path(self.name) / "config.json", Path(self.name) / INDEX))
+        folder = Path(self.name)
+        files = (folder / "config.json", folder / INDEX, *sorted(folder.glob("*.safetensors")))
+        stamps = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else (str(p), 0, 0)
+                       for p in files)
         return _checkpoint(self.name, stamps)
 
     @property

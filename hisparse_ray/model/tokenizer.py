@@ -121,7 +121,8 @@ def _token_text(v: Any) -> str | None:
 
 class HFTokenizer(BaseTokenizer):
     """A model folder's tokenizer: ``tokenizer.json`` + ``tokenizer_config.json`` (optional), plus
-    ``generation_config.json``'s ``eos_token_id`` (optional; an int or a list) for the stop ids."""
+    ``generation_config.json``'s ``eos_token_id`` (optional; an int or a list; without that file,
+    config.json's, as transformers derives its generation config) for the stop ids."""
 
     def __init__(self, folder: str | Path) -> None:
         from tokenizers import Tokenizer as _Tok
@@ -129,7 +130,8 @@ class HFTokenizer(BaseTokenizer):
         self.folder = Path(folder)
         path = self.folder / "tokenizer.json"
         if not path.is_file():
-            raise CheckpointError(str(self.folder), "tokenizer.json", "missing (the folder has no HF tokenizer)")
+            raise CheckpointError(str(self.folder), "tokenizer.json", "missing (the folder has no HF tokenizer: "
+                                  "give token ids, not text)")
         try:
             self._tok = _Tok.from_file(str(path))
         except Exception as err:  # the Rust library raises its own Exception type
@@ -146,7 +148,10 @@ class HFTokenizer(BaseTokenizer):
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = self._id(self.bos_token)
         eos = {self._id(self.eos_token)} - {None}
+        # transformers' generation config: generation_config.json, else the model's config.json
         gen = self.folder / "generation_config.json"
+        if not gen.is_file():
+            gen = self.folder / "config.json"
         if gen.is_file():
             g = json.loads(gen.read_text()).get("eos_token_id")
             eos |= set(g if isinstance(g, list) else [] if g is None else [g])

@@ -252,3 +252,21 @@ def test_cuda_options_on_a_machine_without_cuda_are_refused_by_name(models, kw, 
     with pytest.raises(ConfigError) as ei:
         Engine(models["deepseek_v32"], EngineConfig(**kw))
     assert ei.value.key == key and ei.value.value == kw[key]
+
+
+def test_a_text_prompt_is_refused_with_how_to_tokenize_it(models, tmp_path):
+    """Was: "token 'h' is not an integer token id" (a str iterates to characters). A folder
+    without tokenizer.json says it takes token ids when its tokenizer is asked for."""
+    from hisparse_ray.errors import CheckpointError, InvalidRequestError
+    from hisparse_ray.model.model import build_random_model
+    from hisparse_ray.model.source import resolve
+    from tests.model._checkpoint import write_released
+
+    with Engine(models["deepseek_v32"], EngineConfig()) as eng:
+        for text in ("hello world", b"hello"):
+            with pytest.raises(InvalidRequestError, match="prompt is text .*tokenizer"):
+                eng.add_request("t", text, 3)
+    folder = write_released(build_random_model(models["deepseek_v32"].cfg, seed=1), tmp_path / "m",
+                            tokenizer=False)
+    with pytest.raises(CheckpointError, match="tokenizer.json: missing .*give token ids"):
+        resolve(folder).tokenizer()

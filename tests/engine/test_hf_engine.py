@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from hisparse_ray.engine import Engine, EngineConfig
+from hisparse_ray.engine import Engine, EngineConfig, generate
 from hisparse_ray.model.model import build_tiny_model
 from hisparse_ray.types import RequestState
 from tests.model._hf import IndexerTap, as_sets, hf_to_ours, hf_twin
@@ -145,3 +145,34 @@ def test_hisparse_decode_matches_hf(kind):
     # The HiSparse path really ran: host-tier landing, a hot buffer that both missed and hit.
     assert core.backups > 0
     assert counters["hot_misses"] > 0 and counters["hot_hits"] > 0
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """HF's own greedy continuation (its own indexer, no trace replay) with a DynamicCache."""
+    cache = transformers.DynamicCache(config=hf.config)
+    out = []
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = hf(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
+                        use_cache=True).logits[0, -1]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+def test_greedy_tokens_equal_hf_for_short_prompts_and_odd_page_sizes(kind):
+    """Prompt lengths around top-k (1, K-1, K, K+1, 2K+3: a prefill of nothing, fewer, exactly,
+    one more keys than top-k) and page sizes 1, 3 (not dividing top-k or the hot buffer) and 64
+    (larger than every prompt): HiSparse's greedy tokens equal HF's own greedy decode, each side
+    with its own indexer (16 index heads: no score ties at the k-th place on these prompts)."""
+    model = build_tiny_model(seed=3, kind=kind)
+    K = model.cfg.index_topk
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
+               for n in (1, K - 1, K, K + 1, 2 * K + 3)]
+    hf = hf_twin(model)
+    ref = [_hf_greedy(hf, p, 8) for p in prompts]
+    for page in (1, 3, 64):
+        cfg = EngineConfig(page_size=page, num_device_blocks=max(8, -(-(H + 1) // page)))
+        assert generate(model, prompts, 8, cfg) == ref, f"page_size {page}"

@@ -61,8 +61,10 @@ def roundtrip_fp8(model: DSAModel) -> DSAModel:
                 q, s = quantize(p.data, FP8_FORMAT.block, ue8m0=True)
                 p.data.copy_(dequantize(q, s, dtype=p.dtype))
             elif key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                q, s = quantize(p.data, FP8_FORMAT.block, ue8m0=True)  # per expert: leading dim
-                p.data.copy_(dequantize(q, s, dtype=p.dtype))
+                # per expert (leading dim); gate and up are separate tensors in the files
+                parts = p.data.chunk(2, dim=1) if key.endswith("gate_up_proj") else (p.data,)
+                deq = [dequantize(*quantize(w, FP8_FORMAT.block, ue8m0=True), dtype=p.dtype) for w in parts]
+                p.data.copy_(torch.cat(deq, dim=1))
     return model
 
 

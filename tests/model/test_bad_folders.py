@@ -15,7 +15,7 @@ from hisparse_ray.model.model import build_random_model
 from hisparse_ray.model.sharded_load import load_checkpoint
 from hisparse_ray.model.source import resolve
 
-from ._checkpoint import checkpoint_config, write_released
+from ._checkpoint import FP8_FORMAT, checkpoint_config, roundtrip_fp8, write_released
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +137,53 @@ def test_not_a_folder_or_kind(tmp_path):
         resolve("nope")
     with pytest.raises(CheckpointError, match="config.json.*missing"):
         resolve(tmp_path)
+
+
+def test_indexer_weights_of_layers_the_config_shares_are_ignored(tmp_path):
+    """GLM index sharing set in config.json over a checkpoint whose every layer has its indexer:
+    the shared layers' indexer tensors go unused, as transformers ignores them (was refused as
+    'unexpected'; fp8, so their scales too); the loaded model is the shared-config model on the
+    same weights. (An unknown key is still refused: test_unexpected_key.)"""
+    from hisparse_ray.model.config import tiny_config
+    from hisparse_ray.model.export import released_config
+
+    full = build_random_model(tiny_config("glm_moe_dsa").with_(indexer_types=("full",) * 4), seed=2)
+    folder = write_released(full, tmp_path / "m", tokenizer=False, dtype=torch.float32)
+    shared = tiny_config("glm_moe_dsa")  # F S F S
+    (folder / "config.json").write_text(json.dumps(released_config(shared, fp8=FP8_FORMAT, num_mtp_layers=1)))
+    model = _load(folder)
+    assert model.cfg.indexer_types == shared.indexer_types and model.model.layers[1].self_attn.indexer is None
+    want = roundtrip_fp8(full).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_a_rewritten_shard_is_seen_by_the_next_resolve(folder):
+    """``resolve`` caches a folder's Checkpoint (its shards' header tables). A shard rewritten in
+    place, config.json and the index untouched, must be re-read (was: the stale table, so a
+    tensor removed from the shard failed inside safetensors, naming neither file nor cause)."""
+    key = "model.norm.weight"
+    resolve(folder).load(dtype=torch.float32)  # cached now
+    _rewrite(folder, key, lambda t: {k: v for k, v in t.items() if k != key})
+    with pytest.raises(CheckpointError, match="model.norm.weight: listed in model.safetensors.index.json "
+                                              "but not in the file"):
+        resolve(folder).load(dtype=torch.float32)
+
+
+def test_ue8m0_scales_stored_as_e8m0_load_like_fp32_ones(folder):
+    """A folder whose power-of-two ``weight_scale_inv`` are stored as float8_e8m0fnu (1 byte a
+    scale) instead of fp32: loads to exactly the same weights (was: 'dtype F8_E8M0 is not
+    supported' for the whole folder)."""
+    from safetensors.torch import load_file, save_file
+
+    want = _load(folder).state_dict()
+    for f in sorted(set(_index(folder)["weight_map"].values())):
+        t = load_file(str(folder / f))
+        save_file({k: v.to(torch.float8_e8m0fnu) if k.endswith("_scale_inv") else v
+                   for k, v in t.items()}, str(folder / f))
+    ckpt = Checkpoint(folder)
+    assert ckpt.info("model.layers.0.self_attn.q_a_proj.weight_scale_inv").dtype == torch.float8_e8m0fnu
+    got = _load(folder).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    kept = load_checkpoint(folder, dtype=torch.float32, fp8="torch")
+    assert kept.model.layers[0].self_attn.q_a_proj.weight_scale_inv.dtype == torch.float32

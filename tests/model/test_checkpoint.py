@@ -157,3 +157,63 @@ def test_kept_fp8_model_decodes_exactly_and_each_gemm_is_within_fp8_rounding(fol
     tokens = generate(kept, prompts, 6, EngineConfig(num_device_blocks=12))
     assert tokens == generate(kept, prompts, 6, EngineConfig(full_resident=True))
     assert len(errs) > 100 and max(errs) < 0.04, max(errs)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_shard_folder_with_an_mtp_layer_and_dims_off_the_128_grid(tmp_path, fp8):
+    """The tiny model (hidden 64, MLA rows 48: every fp8 scale grid a ceil-div of partial blocks)
+    written in ONE shard with its MTP layer: the MTP copy of layer L-1's fp32 islands
+    (``weights_proj``, ``e_score_correction_bias``) aliased layer L-1's tensors, which safetensors
+    refuses to save in one file (was a RuntimeError from write_checkpoint). Loaded, it is the
+    model (fp8: the model's fp8 round trip) bitwise."""
+    from hisparse_ray.model.config import tiny_config
+
+    model = build_random_model(tiny_config("glm_moe_dsa"), seed=2)
+    folder = write_released(model, tmp_path / "m", fp8=fp8, shard_bytes=1 << 30, tokenizer=False,
+                            dtype=torch.float32)
+    assert len(list(folder.glob("*.safetensors"))) == 1
+    if fp8:
+        assert Checkpoint(folder).info("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv").shape == (1, 1)
+        model = roundtrip_fp8(model)
+    loaded = load_checkpoint(folder, dtype=torch.float32).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_auto_fp8_dequantizes_wherever_the_gemm_cannot_keep_the_weights():
+    """``fp8="auto"`` (the default of every front door) on a GPU the fp8 GEMM supports, with an
+    fp32 model or a checkpoint of non-128x128 blocks, dequantizes (was a ConfigError telling the
+    user to pass 'dequantize'); an explicit "kernel" still refuses by name."""
+    from hisparse_ray.errors import ConfigError
+    from hisparse_ray.model.fp8 import Fp8Format
+    from hisparse_ray.model.sharded_load import keeps_fp8
+
+    std, odd = Fp8Format((128, 128), True), Fp8Format((64, 64))
+    assert keeps_fp8(std, "auto", True, torch.bfloat16)
+    for fmt, gemm, dtype in ((std, True, torch.float32), (odd, True, torch.bfloat16),
+                             (std, False, torch.bfloat16), (None, True, torch.bfloat16)):
+        assert not keeps_fp8(fmt, "auto", gemm, dtype)
+        assert not keeps_fp8(fmt, "dequantize", gemm, dtype)
+    assert keeps_fp8(std, "torch", False, torch.float32)
+    for fmt, mode, gemm, dtype in ((std, "kernel", True, torch.float32), (std, "kernel", False, torch.bfloat16),
+                                   (odd, "kernel", True, torch.bfloat16), (odd, "torch", False, torch.float32)):
+        with pytest.raises(ConfigError) as ei:
+            keeps_fp8(fmt, mode, gemm, dtype)
+        assert ei.value.key == "fp8"
+
+
+def test_kept_fp8_linears_with_attention_bias_run_in_bf16(tmp_path):
+    """``attention_bias`` (q_a_proj, kv_a_proj_with_mqa, o_proj biases) on weights kept fp8: the
+    biases were fp32 in a bf16 model, so q_a_proj's output became fp32 and the first decode step
+    failed ('expected m1 and m2 to have the same dtype'). Now they keep the model dtype (and the
+    checkpoint's values) and the bf16 model decodes."""
+    cfg = checkpoint_config("deepseek_v32", layers=2).with_(attention_bias=True)
+    folder = write_released(build_random_model(cfg, seed=9), tmp_path / "m", tokenizer=False)
+    kept = load_checkpoint(folder, dtype=torch.bfloat16, fp8="torch")
+    deq = load_checkpoint(folder, dtype=torch.bfloat16)
+    biases = {n: p for n, p in kept.named_parameters() if n.endswith(("proj.bias", "mqa.bias"))}
+    assert len(biases) == 3 * cfg.num_hidden_layers
+    for n, p in biases.items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, deq.get_parameter(n)), n
+    prompt = [[(5 * i) % 300 for i in range(12)]]
+    assert len(generate(kept, prompt, 3, EngineConfig(full_resident=True))[0]) == 3

@@ -66,3 +66,101 @@ def test_a_missing_required_key_names_the_model_type():
         config_from_hf(d)
     with pytest.raises(ConfigError, match="must be a dict"):
         config_from_hf([("model_type", "deepseek_v32")])
+
+
+_FIELDS = ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+           "norm_topk_prob", "rms_norm_eps", "max_position_embeddings", "attention_bias",
+           "tie_word_embeddings")
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("absent", ["n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+                                    "norm_topk_prob", "rms_norm_eps", "max_position_embeddings",
+                                    "attention_bias", "tie_word_embeddings", "mlp_layer_types"])
+def test_an_absent_optional_key_takes_hf_transformers_default(kind, absent):
+    """A config.json without a key HF defaults parses to what transformers builds from it (was:
+    n_group 1 / topk_group 1 / routed_scaling_factor 1.0 / eps 1e-6 / 4096 positions for both kinds:
+    a DeepSeek folder silently routed and scaled its experts unlike the reference model)."""
+    import transformers
+
+    d = hf_config_dict(tiny_config(kind).with_(n_routed_experts=32, n_group=8,
+                                                   topk_group=1, num_experts_per_tok=2))
+    d.update(num_hidden_layers=5, first_k_dense_replace=1)
+    d.pop("mlp_layer_types")  # layers from first_k_dense_replace (HF's default when absent: 3)
+    d.pop(absent, None)
+    if absent == "mlp_layer_types":
+        d.pop("first_k_dense_replace")
+    d.pop("indexer_types", None)
+    ours = config_from_hf(d)
+    cls = transformers.DeepseekV32Config if kind == "deepseek_v32" else transformers.GlmMoeDsaConfig
+    hf = cls(**{k: v for k, v in d.items() if k != "model_type"})
+    for f in _FIELDS:
+        assert getattr(ours, f) == getattr(hf, f), f
+    assert ours.mlp_layer_types == tuple(hf.mlp_layer_types)
+    assert ours.rope.original_max_position_embeddings in (None, hf.rope_parameters["original_max_position_embeddings"])
+
+
+def test_num_experts_names_the_routed_experts_as_in_hf():
+    d = _hf("deepseek_v32")
+    d["num_experts"] = d.pop("n_routed_experts")
+    assert config_from_hf(d).n_routed_experts == tiny_config("deepseek_v32").n_routed_experts
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_hf():
+    """A config.json carrying both (an edited legacy file): transformers builds its rope from
+    ``rope_scaling``; so must we (was: ``rope_parameters``, a default rope where HF ran yarn)."""
+    import transformers
+
+    d = _hf("deepseek_v32", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+    ours = config_from_hf(d)
+    hf = transformers.DeepseekV32Config(**{k: v for k, v in d.items() if k != "model_type"})
+    assert ours.rope.rope_type == hf.rope_parameters["rope_type"] == "yarn"
+    assert ours.rope.factor == hf.rope_parameters["factor"]
+    with pytest.raises(ConfigError) as ei:
+        config_from_hf(_hf(rope_scaling=[1]))
+    assert ei.value.key == "rope_scaling"
+
+
+def test_quantization_config_as_transformers_writes_it():
+    """``FineGrainedFP8Config`` as saved by transformers (``scale_fmt: "float"``) and one that
+    leaves ``weight_block_size`` to its default (128, 128) or capitalizes the activation scheme
+    parse as HF reads them (were refused); what HF refuses too still raises naming the key."""
+    import json
+
+    import transformers
+
+    from hisparse_ray.model.fp8 import Fp8Format, parse_quantization
+
+    saved = json.loads(transformers.FineGrainedFP8Config().to_json_string())
+    assert saved["scale_fmt"] == "float"
+    assert parse_quantization(saved) == Fp8Format((128, 128), ue8m0=False)
+    assert parse_quantization({"quant_method": "fp8", "activation_scheme": "Dynamic"}) == Fp8Format()
+    assert parse_quantization({"quant_method": "fp8", "scale_fmt": "ue8m0",
+                               "weight_block_size": [64, 32]}) == Fp8Format((64, 32), ue8m0=True)
+    for bad, key in (({"weight_block_size": None}, "weight_block_size"),
+                     ({"weight_block_size": [128]}, "weight_block_size"),
+                     ({"scale_fmt": "e8m0"}, "scale_fmt"),
+                     ({"activation_scheme": "static"}, "activation_scheme")):
+        with pytest.raises(ConfigError) as ei:
+            parse_quantization({"quant_method": "fp8", **bad})
+        assert ei.value.key == f"quantization_config.{key}"
+
+
+@pytest.mark.parametrize("sharing", [{"indexer_types": ["full", "shared", "full", "shared"]},
+                                     {"index_topk_freq": 2}, {"index_topk_pattern": "FSFS"}])
+def test_deepseek_ignores_glm_index_sharing_keys_as_hf_does(sharing):
+    """transformers' DeepSeek-V3.2 builds an indexer on every layer whatever GLM sharing keys its
+    config.json carries (was: we shared top-k on DeepSeek layers, diverging from the reference)."""
+    import transformers
+
+    d = _hf("deepseek_v32", **sharing)
+    assert config_from_hf(d).indexer_types == ("full",) * 4
+    hf = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+        **{k: v for k, v in d.items() if k != "model_type"}))
+    assert all(layer.self_attn.indexer is not None for layer in hf.model.layers)
+    g = _hf("glm_moe_dsa", **sharing)
+    glm = config_from_hf(g).indexer_types
+    assert "shared" in glm and glm == tuple(transformers.GlmMoeDsaConfig(
+        **{k: v for k, v in g.items() if k != "model_type"}).indexer_types)

@@ -112,3 +112,20 @@ def test_config_errors_name_the_key():
 def test_hf_twin_shares_state_dict_names():
     model = build_tiny_model(seed=1, kind="glm_moe_dsa")
     assert set(hf_twin(model).state_dict()) == set(model.state_dict())
+
+
+def test_from_pretrained_dir_reads_released_folders_through_their_index(tmp_path):
+    """An fp8 folder loads dequantized (was refused: 'dequantize first') and a stray
+    ``*.safetensors`` the index does not list is ignored (was merged in, its keys refused)."""
+    from safetensors.torch import save_file
+
+    from hisparse_ray.model.sharded_load import load_checkpoint
+
+    from ._checkpoint import write_released
+
+    model = build_tiny_model(seed=4, kind="glm_moe_dsa")
+    folder = write_released(model, tmp_path / "m", tokenizer=False)
+    want = load_checkpoint(folder, dtype=torch.float32).state_dict()
+    save_file({"stale.weight": torch.zeros(2)}, str(folder / "consolidated.safetensors"))
+    got = from_pretrained_dir(folder, dtype=torch.float32).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

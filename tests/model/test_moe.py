@@ -43,3 +43,20 @@ def test_set_moe_path_and_batched_decode_is_unchanged():
     assert generate(model, prompts, 16, cfg) == ref
     with pytest.raises(ConfigError, match="moe_path"):
         set_moe_path(model, "fast")
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+def test_no_shared_experts_builds_and_matches_hf(kind):
+    """``n_shared_experts: 0`` (DSAConfig allows it; HF builds a zero-width shared MLP): the seeded
+    random build divided by a fan-in of 0 (ZeroDivisionError); now it builds, and its logits equal
+    HF's on the same weights."""
+    from hisparse_ray.model.config import tiny_config
+    from hisparse_ray.model.model import build_random_model
+
+    from ._hf import hf_twin
+
+    model = build_random_model(tiny_config(kind).with_(n_shared_experts=0), seed=3)
+    toks = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf_twin(model)(input_ids=toks[None]).logits[0]
+    torch.testing.assert_close(model.prefill(toks, all_logits=True)[0], ref, atol=1e-5, rtol=0)

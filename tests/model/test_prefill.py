@@ -223,3 +223,17 @@ def test_cuda_batch_invariant_prefill_is_bitwise_prefix_stable_and_decode_equal_
         step = model.decode(toks[p : p + 1], torch.tensor([p], device="cuda"), cache, [index])
         assert torch.equal(step[0], full[0][p]), p
     assert torch.equal(cache.rows[:, 0], full[1])
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_prefill_of_no_tokens_returns_empty_results(models, exact):
+    """``prefill`` of 0 tokens (what a 1-token prompt prefills before its first decode step): empty
+    logits, rows and keys of the right widths (was ``torch.cat(): expected a non-empty list``)."""
+    model = models[("glm_moe_dsa", 2)]
+    cfg = model.cfg
+    for all_logits in (False, True):
+        logits, rows, keys = model.prefill(torch.zeros(0, dtype=torch.int64), all_logits=all_logits,
+                                           batch_invariant=exact)
+        assert logits.shape == (0, cfg.vocab_size) and logits.dtype == torch.float32
+        assert rows.shape == (cfg.num_hidden_layers, 0, cfg.row_dim) and rows.dtype == model.dtype
+        assert keys.shape == (cfg.num_hidden_layers, 0, cfg.index_head_dim)

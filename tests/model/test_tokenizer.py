@@ -86,3 +86,18 @@ def test_byte_tokenizer():
     assert tok.eos_token_ids == ()
     assert tok.apply_chat_template(CHATS[0]) == "user: What is HiSparse?\nassistant: "
     assert tok.encode_chat(CHATS[0]) == tok.encode("user: What is HiSparse?\nassistant: ")
+
+
+def test_stop_ids_come_from_config_json_without_a_generation_config(tmp_path):
+    """GLM-5 lists several end ids (``eos_token_id: [...]``) in config.json; without a
+    generation_config.json transformers derives its generation config from config.json, so those
+    ids stop generation too (were ignored: only the tokenizer's eos_token stopped)."""
+    import json
+
+    write_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    eos = HFTokenizer(tmp_path).eos_token_ids
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [7, 11]}))
+    assert HFTokenizer(tmp_path).eos_token_ids == tuple(sorted({*eos, 7, 11}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert HFTokenizer(tmp_path).eos_token_ids == tuple(sorted({*eos, 5}))
