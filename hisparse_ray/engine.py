@@ -23,6 +23,7 @@ from hisparse_ray.checks import (
     check_bool, check_choice, check_int, check_optional_number, check_type,
 )
 from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout, hot_buffer_blocks
+from hisparse_ray.core.admission import validate_request
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import (
     CapacityError, ConfigError, DuplicateRequestError, InvalidRequestError, StateError,
@@ -195,6 +196,7 @@ class Engine:
         bad = [t for t in p.prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(rid, f"token {bad[0]!r} is not an id in [0, {vocab}) of this model")
+        validate_request(rid, p.prompt, max_new_tokens, eos_token_id)  # before the sum below
         fast = self.config.fast_path
         if fast is not None and len(p.prompt) + max_new_tokens > fast.max_context:
             raise CapacityError(f"positions of request {rid!r} (fast_path.max_context)",

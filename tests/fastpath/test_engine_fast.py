@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hisparse_ray.engine import Engine, EngineConfig
-from hisparse_ray.errors import CapacityError
+from hisparse_ray.errors import CapacityError, InvalidRequestError
 from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.model.config import tiny_config
 from hisparse_ray.model.model import build_random_model, build_tiny_model
@@ -157,6 +157,16 @@ def test_requests_past_max_context_are_refused_before_admission(dense):
         assert eng.core.request_ids() == ()
         eng.add_request("y", list(range(60)), 4)
         assert len(eng.run()["y"]) == 4
+
+
+@pytest.mark.parametrize("bad", ["3", None, 2.5, -7])
+def test_a_bad_max_new_tokens_is_an_invalid_request_on_the_fast_path(dense, bad):
+    """The max_context check adds ``max_new_tokens`` to the prompt length: it must run after the
+    request is validated (was: TypeError for "3" / None, CapacityError for -7 past max_context)."""
+    with Engine(dense, fast_cfg(FastPathConfig(max_context=64, buckets=(1,)))) as eng:
+        with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+            eng.add_request("x", list(range(80)) if bad == -7 else [1, 2], bad)
+        assert eng.core.request_ids() == ()
 
 
 
