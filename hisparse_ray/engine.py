@@ -228,6 +228,7 @@ class Engine:
                     _, kv_rows, keys = self.model.prefill(
                         tokens, topk_hook=hook, batch_invariant=self.config.batch_invariant)
                 self.worker.land_local(adm, kv_rows)
+            self._free_released_keys()
             self.worker.install_index_keys(rid, keys, T + p.max_new_tokens + 1)
         except BaseException:
             self.core.apply_landing_failed(rid)
@@ -246,6 +247,18 @@ class Engine:
                 error = error or e
         if error is not None:
             raise error
+
+    def _free_released_keys(self) -> None:
+        """Give back the fast path's index-key pages of requests the coordinator has released.
+        The worker learns of a release from the next step's command; a request landing before
+        that step (added right after another finished) would otherwise find a capped pool
+        (``FastPathConfig.index_pages``) still full of pages nothing will read again."""
+        fast = self.worker.fast
+        if fast is None:
+            return
+        for rid in [r for r in fast.keys.pages if r in self._known]:
+            if self.core.view(rid).state is RequestState.RELEASED:
+                fast.release(rid)
 
     def _forget_unnamed(self, rid: RequestId) -> None:
         """Drop the worker's state of a released request no step ever named (a step that names

@@ -194,6 +194,24 @@ def test_a_landing_the_full_index_key_pool_refuses_frees_what_it_held(dense):
     base = run(dense, [a, c, b], 5, fast_cfg(roomy, full_resident=True))[0]
     assert out == {"a": base["r0"], "b": [], "c": base["r1"], "b2": base["r2"]}
 
+def test_a_request_added_right_after_another_finished_gets_its_index_key_pages(dense):
+    """A pool of exactly one request's index-key pages: "b", added in the same breath as "a"
+    finishes (before any step tells the worker "a" is released), lands on the pages "a" held
+    (was: CapacityError "0 free, the rest held by 1 requests" for a pool nothing else used)."""
+    fast = FastPathConfig(max_context=128, buckets=(1,), index_pages=2)
+    a, b = prompts_of([70, 40], dense.cfg.vocab_size, seed=22)
+    with Engine(dense, fast_cfg(fast)) as eng:
+        eng.add_request("a", a, 5)
+        while eng.core.view("a").state not in (RequestState.FINISHED, RequestState.RELEASED):
+            assert eng.step()
+        eng.add_request("b", b, 5)
+        out = eng.run()
+        assert eng.worker.fast.keys.free_pages == 2 and not eng.worker.fast.keys.pages
+    base = run(dense, [a, b], 5, fast_cfg(FastPathConfig(max_context=128, buckets=(1,)),
+                                          full_resident=True))[0]
+    assert out == {"a": base["r0"], "b": base["r1"]}
+
+
 def test_device_hit_counts_follow_the_runtime_definition(dense):
     """The step's on-device hits / misses equal ``hot_counts_reference`` (the definition the
     reference path reports) on the step's own resolved rows and plans, every step."""
