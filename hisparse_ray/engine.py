@@ -23,6 +23,7 @@ from hisparse_ray.checks import (
     check_bool, check_choice, check_int, check_optional_number, check_type,
 )
 from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout, hot_buffer_blocks
+from hisparse_ray.core.admission import validate_request
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import (
     CapacityError, ConfigError, DuplicateRequestError, InvalidRequestError, StateError,
@@ -195,6 +196,7 @@ class Engine:
         bad = [t for t in p.prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(rid, f"token {bad[0]!r} is not an id in [0, {vocab}) of this model")
+        validate_request(rid, p.prompt, max_new_tokens, eos_token_id)  # before the sum below
         fast = self.config.fast_path
         if fast is not None and len(p.prompt) + max_new_tokens > fast.max_context:
             raise CapacityError(f"positions of request {rid!r} (fast_path.max_context)",
@@ -226,6 +228,7 @@ class Engine:
                     _, kv_rows, keys = self.model.prefill(
                         tokens, topk_hook=hook, batch_invariant=self.config.batch_invariant)
                 self.worker.land_local(adm, kv_rows)
+            self._free_released_keys()
             self.worker.install_index_keys(rid, keys, T + p.max_new_tokens + 1)
         except BaseException:
             self.core.apply_landing_failed(rid)
@@ -244,6 +247,18 @@ class Engine:
                 error = error or e
         if error is not None:
             raise error
+
+    def _free_released_keys(self) -> None:
+        """Give back the fast path's index-key pages of requests the coordinator has released.
+        The worker learns of a release from the next step's command; a request landing before
+        that step (added right after another finished) would otherwise find a capped pool
+        (``FastPathConfig.index_pages``) still full of pages nothing will read again."""
+        fast = self.worker.fast
+        if fast is None:
+            return
+        for rid in [r for r in fast.keys.pages if r in self._known]:
+            if self.core.view(rid).state is RequestState.RELEASED:
+                fast.release(rid)
 
     def _forget_unnamed(self, rid: RequestId) -> None:
         """Drop the worker's state of a released request no step ever named (a step that names

@@ -99,11 +99,15 @@ class Coordinator:
         resident_ever = life <= cfg.num_device_blocks
         host_ever = cfg.host_tier and life <= cfg.num_host_blocks
         if not (resident_ever or host_ever):
+            size = (f"request {request_id!r} ({len(tokens)} prompt + {max_new_tokens} new tokens = "
+                    f"{life} pages of {cfg.page_size} positions)")
+            if not cfg.host_tier:  # a full-resident budget: the device pool is the only pool
+                raise CapacityError(f"{size} does not fit the device pool ({cfg.num_device_blocks} "
+                                    f"blocks, no host tier); pages", life, cfg.num_device_blocks)
             raise CapacityError(
-                f"request {request_id!r} ({len(tokens)} prompt + {max_new_tokens} new tokens = "
-                f"{life} pages of {cfg.page_size} positions) fits neither the device pool "
-                f"({cfg.num_device_blocks} blocks) nor the host pool ({cfg.num_host_blocks} "
-                f"blocks); pages", life, max(cfg.num_device_blocks, cfg.num_host_blocks))
+                f"{size} fits neither the device pool ({cfg.num_device_blocks} blocks) nor the "
+                f"host pool ({cfg.num_host_blocks} blocks); pages", life,
+                max(cfg.num_device_blocks, cfg.num_host_blocks))
         req = Request(RequestId(request_id), tokens, len(tokens), max_new_tokens, eos_token_id,
                       LandingTarget.RESIDENT, LandingTarget.RESIDENT)
         req.written = len(tokens) - 1

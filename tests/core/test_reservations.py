@@ -149,3 +149,15 @@ def test_a_request_that_fits_no_empty_pool_is_refused_naming_its_size_and_the_po
     assert c.request_ids() == ()
     ok = c.admit("ok", [1] * 3, 14)  # 16 positions = 8 pages: its life fits the host pool
     assert ok.target is T.RESIDENT and c._requests["ok"].backed
+
+
+def test_without_a_host_tier_the_refusal_names_the_device_pool_alone():
+    """A full-resident budget (``host_tier=False``) never uses the host pool: the error must not
+    say that the whole pool holds the host pool's blocks (was: "needs 20, the whole pool holds 30"
+    for a request the 30 host blocks would hold, on a tier it may not use)."""
+    c = make(dev=4, host=30, host_tier=False)
+    with pytest.raises(CapacityError) as e:
+        c.admit("big", [1] * 3, 38)
+    assert (e.value.needed, e.value.total) == (20, 4)
+    assert "does not fit the device pool (4 blocks, no host tier)" in str(e.value)
+    assert c.request_ids() == ()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hisparse_ray.engine import Engine, EngineConfig
-from hisparse_ray.errors import CapacityError
+from hisparse_ray.errors import CapacityError, InvalidRequestError
 from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.model.config import tiny_config
 from hisparse_ray.model.model import build_random_model, build_tiny_model
@@ -159,6 +159,16 @@ def test_requests_past_max_context_are_refused_before_admission(dense):
         assert len(eng.run()["y"]) == 4
 
 
+@pytest.mark.parametrize("bad", ["3", None, 2.5, -7])
+def test_a_bad_max_new_tokens_is_an_invalid_request_on_the_fast_path(dense, bad):
+    """The max_context check adds ``max_new_tokens`` to the prompt length: it must run after the
+    request is validated (was: TypeError for "3" / None, CapacityError for -7 past max_context)."""
+    with Engine(dense, fast_cfg(FastPathConfig(max_context=64, buckets=(1,)))) as eng:
+        with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+            eng.add_request("x", list(range(80)) if bad == -7 else [1, 2], bad)
+        assert eng.core.request_ids() == ()
+
+
 
 def test_a_landing_the_full_index_key_pool_refuses_frees_what_it_held(dense):
     """index_pages=3 of 2-page requests: the second landing finds 1 free page. It fails with a
@@ -183,6 +193,24 @@ def test_a_landing_the_full_index_key_pool_refuses_frees_what_it_held(dense):
     roomy = FastPathConfig(max_context=128, buckets=(2,))  # one bucket: exact whatever the batches
     base = run(dense, [a, c, b], 5, fast_cfg(roomy, full_resident=True))[0]
     assert out == {"a": base["r0"], "b": [], "c": base["r1"], "b2": base["r2"]}
+
+def test_a_request_added_right_after_another_finished_gets_its_index_key_pages(dense):
+    """A pool of exactly one request's index-key pages: "b", added in the same breath as "a"
+    finishes (before any step tells the worker "a" is released), lands on the pages "a" held
+    (was: CapacityError "0 free, the rest held by 1 requests" for a pool nothing else used)."""
+    fast = FastPathConfig(max_context=128, buckets=(1,), index_pages=2)
+    a, b = prompts_of([70, 40], dense.cfg.vocab_size, seed=22)
+    with Engine(dense, fast_cfg(fast)) as eng:
+        eng.add_request("a", a, 5)
+        while eng.core.view("a").state not in (RequestState.FINISHED, RequestState.RELEASED):
+            assert eng.step()
+        eng.add_request("b", b, 5)
+        out = eng.run()
+        assert eng.worker.fast.keys.free_pages == 2 and not eng.worker.fast.keys.pages
+    base = run(dense, [a, b], 5, fast_cfg(FastPathConfig(max_context=128, buckets=(1,)),
+                                          full_resident=True))[0]
+    assert out == {"a": base["r0"], "b": base["r1"]}
+
 
 def test_device_hit_counts_follow_the_runtime_definition(dense):
     """The step's on-device hits / misses equal ``hot_counts_reference`` (the definition the
