@@ -194,19 +194,21 @@ def _hf(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, kind: str = "i
 def indexer_types_from_hf(d: dict[str, Any], L: int) -> tuple[str, ...]:
     """GLM index sharing from HF config keys: ``indexer_types``, else ``index_topk_pattern``, else the
     ``index_topk_freq`` / ``index_skip_topk_offset`` rule (all ``"full"`` when none is given).
-    A pattern of another length than ``L`` layers, or with letters other than F / S, raises
-    ConfigError naming ``index_topk_pattern``."""
+    A list longer than ``L`` gives its first ``L`` entries, as transformers reads layer ``i``'s
+    entry (a released config whose ``num_hidden_layers`` a user lowered); a shorter one, or
+    letters other than F / S, raise ConfigError naming ``index_topk_pattern``."""
     if d.get("indexer_types") is not None:
         types = d["indexer_types"]
-        return tuple(types) if isinstance(types, (list, tuple)) else types  # DSAConfig says why
+        # DSAConfig says why anything else is refused (a shorter list among it)
+        return tuple(types[:L]) if isinstance(types, (list, tuple)) else types
     pattern = d.get("index_topk_pattern")
     if pattern is not None:
         letters = {"F": "full", "S": "shared"}
-        if isinstance(pattern, str) and len(pattern) == L and set(pattern) <= set(letters):
-            return tuple(letters[c] for c in pattern)
-        if isinstance(pattern, (list, tuple)) and len(pattern) == L and \
+        if isinstance(pattern, str) and len(pattern) >= L and set(pattern) <= set(letters):
+            return tuple(letters[c] for c in pattern[:L])
+        if isinstance(pattern, (list, tuple)) and len(pattern) >= L and \
                 set(pattern) <= {"full", "shared"}:
-            return tuple(pattern)
+            return tuple(pattern[:L])
         raise ConfigError("index_topk_pattern", pattern,
                           f"must give each of the {L} layers 'F' (full) or 'S' (shared): a string "
                           f"like 'FSFS' or a list of 'full' / 'shared'")

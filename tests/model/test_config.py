@@ -29,7 +29,7 @@ def test_the_tiny_configs_round_trip():
     ({"n_group": 0}, "n_group"),  # was ZeroDivisionError
     ({"index_topk_pattern": "FFSXSF"}, "index_topk_pattern"),  # was KeyError
     ({"index_topk_pattern": "FSXS"}, "index_topk_pattern"),
-    ({"index_topk_pattern": "FSFSFS"}, "index_topk_pattern"),  # 6 letters for 4 layers
+    ({"index_topk_pattern": "FSF"}, "index_topk_pattern"),  # 3 letters for 4 layers
     ({"index_topk_pattern": ["full", "shared"]}, "index_topk_pattern"),
     ({"index_topk_pattern": "SFSF"}, "indexer_types"),  # layer 0 must run its indexer
     ({"num_attention_heads": 0}, "num_attention_heads"),  # was accepted, failed at build
@@ -164,3 +164,20 @@ def test_deepseek_ignores_glm_index_sharing_keys_as_hf_does(sharing):
     glm = config_from_hf(g).indexer_types
     assert "shared" in glm and glm == tuple(transformers.GlmMoeDsaConfig(
         **{k: v for k, v in g.items() if k != "model_type"}).indexer_types)
+
+
+@pytest.mark.parametrize("change", [
+    {"index_topk_pattern": "FSSFFS"},  # a released pattern, num_hidden_layers lowered to 4
+    {"index_topk_pattern": ["full", "shared", "full", "full", "shared"]},
+    {"indexer_types": ["full", "full", "shared", "shared", "full", "shared"]},
+])
+def test_a_sharing_list_longer_than_the_layers_gives_its_first_entries_as_in_hf(change):
+    """transformers reads layer i's entry of ``indexer_types`` (from ``index_topk_pattern`` when
+    absent) and never checks the length: a longer list works there, so it must here, alike."""
+    from transformers import GlmMoeDsaConfig
+
+    d = _hf(**change)
+    ours = config_from_hf(d)
+    theirs = GlmMoeDsaConfig(**d)
+    L = ours.num_hidden_layers
+    assert L == 4 and ours.indexer_types == tuple(theirs.indexer_types[:L])
