@@ -202,6 +202,8 @@ def parse(model: type[BaseModel], body: bytes):
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"body is not JSON: {err}") from None
+    except RecursionError:  # a body of nested brackets: the parser's recursion limit, not a bug
+        raise ApiError(400, "body is not JSON a server takes: nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"body must be a JSON object, got {type(data).__name__}")
     try:
