@@ -206,6 +206,11 @@ def parse(model: type[BaseModel], body: bytes):
         raise ApiError(400, "body is not JSON a server takes: nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"body must be a JSON object, got {type(data).__name__}")
+    # OpenAI's optional parameters are nullable ("n": null, "stream": null): null = not given
+    data = {k: v for k, v in data.items() if v is not None}
+    if isinstance(data.get("stream_options"), dict):
+        data["stream_options"] = {k: v for k, v in data["stream_options"].items()
+                                  if v is not None}
     try:
         req = model.model_validate(data, strict=True)
     except ValidationError as err:

@@ -81,6 +81,25 @@ def test_good_requests_and_their_engine_arguments():
         _parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}).one_prompt()
 
 
+def test_null_parameters_mean_not_given():
+    """OpenAI's optional parameters are nullable: clients send ``"n": null``, ``"stream": null``
+    for what they leave unset; those are the defaults, not type errors."""
+    nulls = {k: None for k in ("n", "stream", "echo", "ignore_eos", "best_of", "suffix",
+                               "logprobs", "max_tokens", "temperature", "stop", "seed", "user",
+                               "presence_penalty", "frequency_penalty", "logit_bias", "top_p")}
+    req = _parse(CompletionRequest, {"model": "m", "prompt": "x", **nulls})
+    assert (req.n, req.stream, req.echo, req.ignore_eos) == (1, False, False, False)
+    assert req.engine_args(req.max_tokens)["temperature"] == 1.0
+    chat = _parse(ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                "n": None, "stream": True, "max_completion_tokens": None,
+                                "stream_options": {"include_usage": None}, "tools": None,
+                                "tool_choice": None, "response_format": None})
+    assert chat.stream and chat.stream_options.include_usage is False
+    with pytest.raises(ApiError) as info:  # a required parameter stays required
+        _parse(CompletionRequest, {"model": None, "prompt": "x"})
+    assert info.value.param == "model"
+
+
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(alphabet="abcEND", max_size=40), stops=st.lists(
     st.text(alphabet="abcEND", min_size=1, max_size=4), min_size=0, max_size=3),
