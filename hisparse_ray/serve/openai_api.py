@@ -160,17 +160,16 @@ class OpenAIServer:
             req = P.parse(P.ChatRequest if chat else P.CompletionRequest,
                           await self._body(request))
             self._check_model(req.model)
+            max_new = req.new_tokens(self.options.max_new_tokens_limit)
             if chat:
                 messages = [m.as_dict() for m in req.messages]
                 text = "".join(m["content"] for m in messages)
                 ids = await self._encode(text, "messages", messages)
-                max_tokens = req.max_completion_tokens or req.max_tokens
             else:
                 prompt = req.one_prompt()
                 ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) \
                     else list(prompt)
-                max_tokens = req.max_tokens
-            args = req.engine_args(max_tokens)
+            args = req.engine_args(max_new)
             stops = list(req.stop_token_ids or ())
             if not req.ignore_eos and self.tokenizer is not None:
                 stops += list(getattr(self.tokenizer, "eos_token_ids", ()))

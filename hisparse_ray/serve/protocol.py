@@ -57,8 +57,10 @@ def api_error(err: BaseException) -> ApiError | None:
         return err
     if isinstance(err, CapacityError):
         return ApiError(413, str(err), code="request_too_large")
-    if isinstance(err, (InvalidRequestError, ConfigError)):
-        return ApiError(400, str(err).replace("request '-': ", ""))
+    if isinstance(err, InvalidRequestError):
+        return ApiError(400, err.reason)
+    if isinstance(err, ConfigError):
+        return ApiError(400, str(err), param=err.key)
     if isinstance(err, BackPressureError):
         return ApiError(429, "too many requests in flight; retry later", "rate_limit_error",
                         code="rate_limit_exceeded")
@@ -73,7 +75,7 @@ def api_error(err: BaseException) -> ApiError | None:
 
 # -- requests ----------------------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -118,6 +120,18 @@ class _Sampled(_Strict):
         if len(stops) > MAX_STOPS:
             raise ApiError(400, f"stop has {len(stops)} strings; at most {MAX_STOPS}", param="stop")
         return [s for s in stops if s]
+
+    def new_tokens(self, limit: int) -> int | None:
+        """The new tokens asked for (None: the server's default), at most ``limit``: 400 naming
+        the parameter the client sent, not the engine's name for it."""
+        name, n = self._max_tokens()
+        if n is not None and n > limit:
+            raise ApiError(400, f"{name}={n} is more than the {limit} new tokens this server "
+                                f"generates per request", param=name)
+        return n
+
+    def _max_tokens(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
 
     def engine_args(self, max_tokens: int | None) -> dict:
         """Keyword arguments of ``HiSparseServer.generate_stream`` (ids and stops added by the
@@ -183,6 +197,11 @@ class ChatRequest(_Sampled):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
+
+    def _max_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -43,11 +43,17 @@ def _parse(model, body) -> object:
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": "m", "prompt": "x", "bogus": 1}, "bogus"),
     ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
+    (b'{"model": "m", "prompt": "x", "temperature": Infinity}', "temperature"),
+    (b'{"model": "m", "prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"model": "m", "prompt": "x", "top_p": NaN}', "top_p"),
+    (b'{"model": "m", "prompt": "x", "presence_penalty": -Infinity}', "presence_penalty"),
+    ({"model": "m", "prompt": "x", "max_tokens": 10**9}, "max_tokens"),  # past the limit
 ])
 def test_bad_completion_requests_name_the_parameter(body, param):
     with pytest.raises(ApiError) as info:
         req = _parse(CompletionRequest, body)
         req.stop_strings()
+        req.new_tokens(4096)
     assert info.value.status == 400 and info.value.param == param
     assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
 
@@ -59,10 +65,14 @@ def test_bad_completion_requests_name_the_parameter(body, param):
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}],
       "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4097},
+     "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
+      "max_completion_tokens": 4097}, "max_completion_tokens"),
 ])
 def test_bad_chat_requests_name_the_parameter(body, param):
     with pytest.raises(ApiError) as info:
-        _parse(ChatRequest, body)
+        _parse(ChatRequest, body).new_tokens(4096)
     assert info.value.status == 400 and info.value.param == param
 
 
@@ -77,6 +87,12 @@ def test_good_requests_and_their_engine_arguments():
                                 "messages": [{"role": "user", "content": [
                                     {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert [m.as_dict() for m in chat.messages] == [{"role": "user", "content": "ab"}]
+    assert chat.new_tokens(3) == 3 and req.new_tokens(4) == 4
+    both = _parse(ChatRequest, {"model": "m", "max_tokens": 9, "max_completion_tokens": 2,
+                                "messages": [{"role": "user", "content": "x"}]})
+    assert both.new_tokens(4) == 2  # max_completion_tokens wins (max_tokens: its old name)
+    assert _parse(ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+                  ).new_tokens(4) is None  # the server's default
     with pytest.raises(ApiError, match="one per request"):
         _parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}).one_prompt()
 
@@ -137,6 +153,8 @@ def test_errors_map_to_statuses_and_bodies():
     for err, status in cases:
         api = api_error(err)
         assert api.status == status and api.body()["error"]["message"]
+    assert api_error(InvalidRequestError("-", "bad")).message == "bad"  # not "invalid request '-'"
+    assert api_error(ConfigError("top_p", 2, "in (0, 1]")).param == "top_p"
     assert api_error(KeyError("bug")) is None  # a bug stays a 500 with its traceback
 
 
