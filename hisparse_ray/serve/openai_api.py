@@ -9,11 +9,13 @@ Per request, in this order, each step before any work of the next: the API key (
 size from ``Content-Length`` and while reading (413, the body is never read past the cap), JSON
 and parameters (400 naming the parameter), the model id (404), the prompt's characters (413
 before tokenizing) and text (a lone surrogate: 400), tokenizing (off the event loop), then the
-request goes to the HiSparse deployment as token ids and its tokens come back per decode step
-(``generate_stream``): text is detokenized incrementally, stop strings end the request early
-(its blocks are freed at once), and the answer goes out whole or as server-sent events (the
-first chat delta carries ``"role": "assistant"``, then ``data: [DONE]``). A client that
-disconnects cancels its request upstream, which aborts it on the coordinator.
+request goes to the HiSparse deployment as token ids, one engine request per choice (a batch of
+prompts x ``n``, all at once), and their tokens come back per decode step
+(``generate_stream``): text is detokenized incrementally, stop strings end a choice early
+(its blocks are freed at once), and the answer goes out whole or as server-sent events (each
+chunk naming its choice's ``index``; the first chat delta of each carries
+``"role": "assistant"``, then ``data: [DONE]``). A client that disconnects cancels its requests
+upstream, which aborts them on the coordinator; a choice that is refused cancels the others.
 """
 
 from __future__ import annotations
@@ -164,17 +166,17 @@ class OpenAIServer:
             if chat:
                 messages = [m.as_dict() for m in req.messages]
                 text = "".join(m["content"] for m in messages)
-                ids = await self._encode(text, "messages", messages)
+                prompts = [await self._encode(text, "messages", messages)]
             else:
-                prompt = req.one_prompt()
-                ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) \
-                    else list(prompt)
-            args = req.engine_args(max_new)
+                prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p)
+                           for p in req.prompts()]
             stops = list(req.stop_token_ids or ())
             if not req.ignore_eos and self.tokenizer is not None:
                 stops += list(getattr(self.tokenizer, "eos_token_ids", ()))
-            stream = _Generation(self, rid, chat, req, ids, {**args, "stop_token_ids": stops})
-            first = await stream.start()  # errors of the request surface here, before a status
+            answer = _Answer(self, rid, chat, req, [
+                _Choice(self, req, ids, {**req.engine_args(max_new, j), "stop_token_ids": stops})
+                for ids in prompts for j in range(req.n)], sum(len(ids) for ids in prompts))
+            await answer.start()  # errors of the request surface here, before a status
         except BaseException as err:  # noqa: BLE001 - mapped to a status below
             api = P.api_error(err)
             if api is None:
@@ -182,10 +184,10 @@ class OpenAIServer:
             return _error(api, rid)
         headers = {"x-request-id": rid}
         if req.stream:
-            return StreamingResponse(stream.events(first), media_type="text/event-stream",
+            return StreamingResponse(answer.events(), media_type="text/event-stream",
                                      headers=headers)
         try:
-            body = await stream.whole(first)
+            body = await answer.whole()
         except BaseException as err:  # noqa: BLE001
             api = P.api_error(err)
             if api is None:
@@ -194,21 +196,17 @@ class OpenAIServer:
         return JSONResponse(body, headers=headers)
 
 
-class _Generation:
-    """One request's token stream from the HiSparse deployment, as text: incremental
-    detokenization, stop strings, usage; ``events`` (SSE) or ``whole`` (one body)."""
+class _Choice:
+    """One choice's token stream from the HiSparse deployment (one request there), as text:
+    incremental detokenization, stop strings, its completion tokens."""
 
-    def __init__(self, server: OpenAIServer, rid: str, chat: bool, req, ids: list[int],
-                 args: dict) -> None:
-        self.server, self.rid, self.chat, self.req = server, rid, chat, req
-        self.ids, self.args = ids, args
-        self.created = P.now()
+    def __init__(self, server: OpenAIServer, req, ids: list[int], args: dict) -> None:
+        self.server, self.ids, self.args = server, ids, args
         self.stops = P.StopStrings(req.stop_strings())
         tok = server.tokenizer
         self.text = tok.stream() if tok is not None else None
         self.gen = None
         self.completion_tokens = 0
-        self.finish: str | None = None
 
     async def start(self):
         """Submit and wait for the first item (a bad request raises here, before any status
@@ -221,7 +219,11 @@ class _Generation:
             self.gen.cancel()
             raise
 
-    async def _pieces(self, first):
+    def cancel(self) -> None:
+        if self.gen is not None:
+            self.gen.cancel()
+
+    async def pieces(self, first):
         """(text piece, finish reason or None) per upstream item, stopping at a stop string
         (the upstream request is cancelled then: aborted, blocks freed)."""
         item = first
@@ -248,33 +250,91 @@ class _Generation:
         finally:
             self.gen.cancel()  # a stop string, an error or the client left: end it upstream
 
+
+class _Answer:
+    """One HTTP request's choices (prompts x n, in OpenAI's index order), run at once and
+    merged as they come: ``events`` (SSE, each chunk naming its choice's index) or ``whole``
+    (one body); usage counts each prompt once and every choice's tokens."""
+
+    def __init__(self, server: OpenAIServer, rid: str, chat: bool, req, choices: list[_Choice],
+                 prompt_tokens: int) -> None:
+        self.server, self.rid, self.chat, self.req = server, rid, chat, req
+        self.choices, self.prompt_tokens = choices, prompt_tokens
+        self.created = P.now()
+        self.firsts: list = []
+
+    async def start(self) -> None:
+        """Start every choice; if one is refused, the others are cancelled and its error
+        raised (the first that is not a cancellation)."""
+        try:
+            got = await asyncio.gather(*(c.start() for c in self.choices),
+                                       return_exceptions=True)
+        except BaseException:  # the caller left: end whatever started
+            for c in self.choices:
+                c.cancel()
+            raise
+        errors = [g for g in got if isinstance(g, BaseException)]
+        if errors:
+            for c in self.choices:
+                c.cancel()
+            raise next((e for e in errors if not isinstance(e, asyncio.CancelledError)),
+                       errors[0])
+        self.firsts = got
+
+    async def _merged(self):
+        """(choice index, text piece, finish reason or None) of every choice as they come; on
+        an error or when the consumer leaves, every choice is cancelled upstream."""
+        its = [c.pieces(f) for c, f in zip(self.choices, self.firsts)]
+        pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(its)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in sorted(done, key=pending.__getitem__):
+                    i = pending.pop(t)
+                    try:
+                        piece, fin = t.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield i, piece, fin
+                    pending[asyncio.ensure_future(its[i].__anext__())] = i
+        finally:
+            for t in pending:  # no await here: a cancelled consumer may not wait again
+                t.cancel()
+                t.add_done_callback(_retrieved)
+            for c in self.choices:
+                c.cancel()
+
     def _usage(self) -> dict:
-        return P.usage(len(self.ids), self.completion_tokens)
+        return P.usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
 
-    async def whole(self, first) -> dict:
-        parts, fin = [], None
-        async for piece, fin in self._pieces(first):
-            parts.append(piece)
-        text = "".join(parts)
+    async def whole(self) -> dict:
+        parts: list[list[str]] = [[] for _ in self.choices]
+        fins: list[str | None] = [None] * len(self.choices)
+        async for i, piece, fin in self._merged():
+            parts[i].append(piece)
+            fins[i] = fin or fins[i]
         body = P.chat if self.chat else P.completion
-        return body(self.rid, self.server.model_id, text, fin, self._usage(), self.created)
+        return body(self.rid, self.server.model_id, [("".join(p), f) for p, f in
+                                                     zip(parts, fins)],
+                    self._usage(), self.created)
 
-    async def events(self, first):
+    async def events(self):
         model, rid, created = self.server.model_id, self.rid, self.created
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         try:
             if self.chat:
-                yield P.sse(P.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None,
-                                         None, created))
-            async for piece, fin in self._pieces(first):
+                for i in range(len(self.choices)):
+                    yield P.sse(P.chat_chunk(rid, model, {"role": "assistant", "content": ""},
+                                             None, None, created, i))
+            async for i, piece, fin in self._merged():
                 if self.chat:
                     if piece:
                         yield P.sse(P.chat_chunk(rid, model, {"content": piece}, None, None,
-                                                 created))
+                                                 created, i))
                     if fin is not None:
-                        yield P.sse(P.chat_chunk(rid, model, {}, fin, None, created))
+                        yield P.sse(P.chat_chunk(rid, model, {}, fin, None, created, i))
                 else:
-                    yield P.sse(P.completion_chunk(rid, model, piece, fin, None, created))
+                    yield P.sse(P.completion_chunk(rid, model, piece, fin, None, created, i))
             if include_usage:
                 chunk = P.chat_chunk if self.chat else P.completion_chunk
                 yield P.sse(chunk(rid, model, None, None, self._usage(), created))
@@ -282,6 +342,12 @@ class _Generation:
             api = P.api_error(err) or P.ApiError(500, repr(err), "server_error")
             yield P.sse(api.body())
         yield P.sse("[DONE]")
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Mark a cancelled-on-exit task's outcome as seen (no 'exception never retrieved' log)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _ingress():

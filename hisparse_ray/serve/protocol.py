@@ -2,14 +2,16 @@
 fields refused), their translation into HiSparse generation parameters, stop strings, response
 and stream-chunk bodies, and OpenAI-style error bodies with their HTTP statuses.
 
-Supported: ``/v1/completions`` (``prompt`` text or token ids, one prompt) and
-``/v1/chat/completions`` (the tokenizer's chat template), ``max_tokens``
+Supported: ``/v1/completions`` (``prompt`` text or token ids, or a list of either: a batch,
+one choice each) and ``/v1/chat/completions`` (the tokenizer's chat template), ``max_tokens``
 (``max_completion_tokens``), ``temperature`` (OpenAI's default 1.0; 0 = greedy, bit-exact with
 full-resident decode), ``top_p``, ``top_k`` (vLLM's extension; -1 / 0 = off), ``seed``, ``stop``
 (strings), ``stop_token_ids`` and ``ignore_eos`` (vLLM's extensions), ``stream`` with
-``stream_options.include_usage``, ``n`` = 1, ``user``. Anything else that would change the
-output (``n`` > 1, ``logprobs``, ``echo``, penalties, ``logit_bias``, tools, ``suffix``) is
-refused with 400 naming the parameter rather than silently ignored.
+``stream_options.include_usage``, ``n`` (choices per prompt: independent requests; with a
+``seed``, choice j samples with ``seed + j``), ``user``; at most ``MAX_CHOICES`` choices in all.
+Anything else that would change the output (``logprobs``, ``echo``, ``best_of`` > 1, penalties,
+``logit_bias``, tools, ``suffix``) is refused with 400 naming the parameter rather than silently
+ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hisparse_ray.errors import CapacityError, ConfigError, HiSparseError, Inval
 from hisparse_ray.errors import StateError, TransferError
 
 MAX_STOPS = 16
+MAX_CHOICES = 64  # prompts x n of one request (each is one request to the engine)
 
 
 def model_id(options) -> str:
@@ -93,7 +96,7 @@ class _Sampled(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = 0.0
@@ -102,13 +105,15 @@ class _Sampled(_Strict):
     user: str | None = None
 
     def check_supported(self) -> None:
-        for name, ok in (("n", self.n == 1), ("presence_penalty", not self.presence_penalty),
+        for name, ok in (("presence_penalty", not self.presence_penalty),
                          ("frequency_penalty", not self.frequency_penalty),
                          ("logit_bias", not self.logit_bias)):
             if not ok:
                 raise ApiError(400, f"{name}={getattr(self, name)!r} is not supported "
-                                    f"(HiSparse serves n=1 without penalties or biases)",
+                                    f"(HiSparse serves without penalties or biases)",
                                param=name)
+        if self.n > MAX_CHOICES:
+            raise ApiError(400, f"n={self.n} is more than {MAX_CHOICES} choices", param="n")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream=true", param="stream_options")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
@@ -133,12 +138,14 @@ class _Sampled(_Strict):
     def _max_tokens(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
 
-    def engine_args(self, max_tokens: int | None) -> dict:
-        """Keyword arguments of ``HiSparseServer.generate_stream`` (ids and stops added by the
-        caller)."""
+    def engine_args(self, max_tokens: int | None, choice: int = 0) -> dict:
+        """Keyword arguments of ``HiSparseServer.generate_stream`` for choice ``choice`` of a
+        prompt (ids and stops added by the caller): with a seed, choice j samples with seed + j,
+        so the n choices differ and each replays."""
+        seed = None if self.seed is None else (self.seed + choice) % 2**63
         return {"max_new_tokens": max_tokens,
                 "temperature": 1.0 if self.temperature is None else self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+                "top_p": self.top_p, "top_k": self.top_k, "seed": seed}
 
 
 class CompletionRequest(_Sampled):
@@ -156,17 +163,19 @@ class CompletionRequest(_Sampled):
                 raise ApiError(400, f"{name}={getattr(self, name)!r} is not supported",
                                param=name)
 
-    def one_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids (a list of one of them is accepted too)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: one, or a batch (a list of texts or of token-id
+        lists); each gets ``n`` choices, at most ``MAX_CHOICES`` in all."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError(400, f"prompt holds {len(p)} prompts; send one per request",
-                               param="prompt")
-            p = p[0]
-        if not p:
-            raise ApiError(400, "prompt is empty", param="prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, one in enumerate(batch):
+            if not one:
+                where = f"prompt[{i}]" if len(batch) > 1 else "prompt"
+                raise ApiError(400, f"{where} is empty", param="prompt")
+        if len(batch) * self.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(batch)} prompts x n={self.n} is more than {MAX_CHOICES} "
+                                f"choices", param="prompt" if self.n == 1 else "n")
+        return batch
 
 
 class TextPart(_Strict):
@@ -283,28 +292,33 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, model: str, text: str, finish: str | None, use: dict | None,
+def completion(rid: str, model: str, choices: list[tuple[str, str | None]], use: dict | None,
                created: int) -> dict:
+    """A completion body; ``choices``: (text, finish reason) in index order."""
     out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+           "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                       for i, (text, finish) in enumerate(choices)]}
     if use is not None:
         out["usage"] = use
     return out
 
 
-def chat(rid: str, model: str, text: str, finish: str | None, use: dict | None,
+def chat(rid: str, model: str, choices: list[tuple[str, str | None]], use: dict | None,
          created: int) -> dict:
+    """A chat completion body; ``choices``: (content, finish reason) in index order."""
     out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-           "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                        "finish_reason": finish, "logprobs": None}]}
+           "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish, "logprobs": None}
+                       for i, (text, finish) in enumerate(choices)]}
     if use is not None:
         out["usage"] = use
     return out
 
 
 def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use: dict | None,
-               created: int) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
+               created: int, index: int = 0) -> dict:
+    """A chat stream chunk of choice ``index`` (``delta`` None: no choice, the usage chunk)."""
+    choices = [] if delta is None else [{"index": index, "delta": delta, "finish_reason": finish,
                                          "logprobs": None}]
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
            "choices": choices}
@@ -314,10 +328,11 @@ def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use
 
 
 def completion_chunk(rid: str, model: str, text: str | None, finish: str | None,
-                     use: dict | None, created: int) -> dict:
-    out = completion(rid, model, text or "", finish, use, created)
-    if text is None:
-        out["choices"] = []
+                     use: dict | None, created: int, index: int = 0) -> dict:
+    """A completion stream chunk of choice ``index`` (``text`` None: the usage chunk)."""
+    out = completion(rid, model, [] if text is None else [(text, finish)], use, created)
+    for choice in out["choices"]:
+        choice["index"] = index
     return out
 
 

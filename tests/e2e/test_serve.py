@@ -204,13 +204,81 @@ def test_sampling_parameters(app):
     _settled(handle)
 
 
+def test_batched_prompts_and_n_choices(app):
+    """A list of prompts (texts or token-id lists) and ``n`` > 1: one choice per prompt x n in
+    OpenAI's index order, each equal to the same prompt served alone (greedy: full-resident
+    decode; seeded: choice j samples with seed + j), streamed chunks naming their choice's
+    index, usage counting each prompt once and every choice's tokens."""
+    from hisparse_ray.model.tokenizer import ByteTokenizer
+    from hisparse_ray.types import SamplingParams
+
+    handle, url, client = app
+    tok = ByteTokenizer()
+    rng = random.Random(21)
+    ids = [[rng.randrange(1, 96) for _ in range(n)] for n in (150, 9)]
+    texts = ["first prompt", "a second, longer prompt"]
+    want = _expected([*ids, *(tok.encode(t) for t in texts)], 5)
+    for prompts, expected in ((ids, want[:2]), (texts, want[2:])):
+        out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
+        assert [c.index for c in out.choices] == [0, 1]
+        assert [c.text for c in out.choices] == [_text(w) for w in expected]
+        assert out.usage.prompt_tokens == sum(len(tok.encode(p)) if isinstance(p, str) else len(p)
+                                              for p in prompts)
+        assert out.usage.completion_tokens == 10
+    seeded = [_expected([p], 4, SamplingParams(temperature=0.9, seed=50 + j))[0]
+              for p in ids for j in range(2)]
+    out = client.completions.create(model=MODEL, prompt=ids, n=2, max_tokens=4, temperature=0.9,
+                                    seed=50)
+    assert [c.text for c in out.choices] == [_text(w) for w in seeded]
+    assert out.usage.prompt_tokens == 159 and out.usage.completion_tokens == 16
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, n=2, max_tokens=4,
+                                            temperature=0.9, seed=50, stream=True,
+                                            stream_options={"include_usage": True}))
+    got: dict[int, str] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        got[choice.index] = got.get(choice.index, "") + choice.text
+    assert [got[i] for i in range(4)] == [c.text for c in out.choices]
+    assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
+
+    status, lines = _sse(url + "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3,
+        "max_completion_tokens": 3, "temperature": 0, "stream": True})
+    assert status == 200 and lines[-1] == "[DONE]"
+    events = [json.loads(x) for x in lines[:-1]]
+    firsts = {}
+    for e in events:
+        (choice,) = e["choices"]
+        firsts.setdefault(choice["index"], choice)
+    assert sorted(firsts) == [0, 1, 2]
+    assert all(f["delta"]["role"] == "assistant" for f in firsts.values())
+    finals = [e["choices"][0] for e in events if e["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for f in finals) == [0, 1, 2]
+    assert all(f["finish_reason"] == "length" for f in finals)
+    answer = _text(_expected([tok.encode_chat([{"role": "user", "content": "hi"}])], 3)[0])
+    for i in range(3):
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e["choices"][0]["index"] == i) == answer
+    _settled(handle)
+
+
+def _sse(url: str, body: dict) -> tuple[int, list[str]]:
+    """(status, the ``data:`` payloads) of a streamed answer, read with raw HTTP."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=240) as resp:
+        lines = [line.decode().strip() for line in resp]
+        return resp.status, [x.removeprefix("data: ") for x in lines if x.startswith("data: ")]
+
+
 BAD = [  # (method, path, body, status, param or message fragment): docs/architecture.md's table
     ("POST", "/v1/completions", b"{not json", 400, "not JSON"),
     ("POST", "/v1/completions", [1, 2], 400, "JSON object"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "0.5"}, 400,
      "temperature"),
-    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 65}, 400, "n"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": ["x", ""]}, 400, "prompt[1]"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": [1, 500]}, 400, "token id 500"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),

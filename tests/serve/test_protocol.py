@@ -35,7 +35,12 @@ def _parse(model, body) -> object:
     ({"model": "m", "prompt": "x", "seed": -1}, "seed"),
     ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
-    ({"model": "m", "prompt": "x", "n": 2}, "n"),
+    ({"model": "m", "prompt": "x", "n": 0}, "n"),
+    ({"model": "m", "prompt": "x", "n": 65}, "n"),
+    ({"model": "m", "prompt": ["x"] * 33, "n": 2}, "n"),
+    ({"model": "m", "prompt": [[1]] * 65}, "prompt"),
+    ({"model": "m", "prompt": ["x", ""]}, "prompt"),
+    ({"model": "m", "prompt": [[1], []]}, "prompt"),
     ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
@@ -54,6 +59,7 @@ def test_bad_completion_requests_name_the_parameter(body, param):
         req = _parse(CompletionRequest, body)
         req.stop_strings()
         req.new_tokens(4096)
+        req.prompts()
     assert info.value.status == 400 and info.value.param == param
     assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
 
@@ -79,7 +85,7 @@ def test_bad_chat_requests_name_the_parameter(body, param):
 def test_good_requests_and_their_engine_arguments():
     req = _parse(CompletionRequest, {"model": "m", "prompt": [[3, 4, 5]], "max_tokens": 4,
                                      "seed": 7, "top_k": -1, "stop": "x", "n": 1, "user": "u"})
-    assert req.one_prompt() == [3, 4, 5] and req.stop_strings() == ["x"]
+    assert req.prompts() == [[3, 4, 5]] and req.stop_strings() == ["x"]
     args = req.engine_args(req.max_tokens)
     assert args == {"max_new_tokens": 4, "temperature": 1.0, "top_p": None, "top_k": -1,
                     "seed": 7}  # OpenAI's default temperature is 1
@@ -93,8 +99,15 @@ def test_good_requests_and_their_engine_arguments():
     assert both.new_tokens(4) == 2  # max_completion_tokens wins (max_tokens: its old name)
     assert _parse(ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}]}
                   ).new_tokens(4) is None  # the server's default
-    with pytest.raises(ApiError, match="one per request"):
-        _parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}).one_prompt()
+    batch = _parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"], "n": 3, "seed": 5})
+    assert batch.prompts() == ["a", "b"]  # a batch: each prompt gets n choices
+    assert [batch.engine_args(4, j)["seed"] for j in range(3)] == [5, 6, 7]  # n choices differ
+    assert _parse(CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]]}).prompts() == \
+        [[1, 2], [3]]
+    assert _parse(CompletionRequest, {"model": "m", "prompt": "x", "seed": 2**63 - 1}
+                  ).engine_args(4, 1)["seed"] == 0  # wraps inside the seed range
+    assert _parse(CompletionRequest, {"model": "m", "prompt": "x", "n": 2}
+                  ).engine_args(4, 1)["seed"] is None  # unseeded: each its own random seed
 
 
 def test_null_parameters_mean_not_given():
