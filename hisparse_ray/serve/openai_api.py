@@ -2,8 +2,8 @@
 (``@serve.ingress``) in front of the HiSparse deployment (:class:`HiSparseServer`).
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /health``. Every other path is 404 and a wrong method 405,
-both with OpenAI-style error bodies (``{"error": {"message", "type", "param", "code"}}``).
+``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every other
+path is 404 and a wrong method 405, both with OpenAI-style error bodies (``{"error": {"message", "type", "param", "code"}}``).
 
 Per request, in this order, each step before any work of the next: the API key (401), the body
 size from ``Content-Length`` and while reading (413, the body is never read past the cap), JSON
@@ -27,7 +27,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hisparse_ray.deploy import DeployOptions
@@ -45,7 +45,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     """404 (no such path) and 405 (wrong method) as OpenAI-style bodies."""
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = {404: f"no route {request.url.path!r}; routes: /v1/models, /v1/completions, "
-                f"/v1/chat/completions, /health",
+                f"/v1/chat/completions, /health, /metrics",
            405: f"{request.method} is not allowed on {request.url.path!r}"}.get(
         exc.status_code, str(exc.detail))
     return JSONResponse(P.ApiError(exc.status_code, msg, code=kind).body(),
@@ -124,6 +124,14 @@ class OpenAIServer:
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        """HiSparse's Prometheus metrics on the API's own port, where vLLM-style servers serve
+        them (open, like ``/health``): the ``ray_hisparse_*`` families of every node's Ray
+        metrics export, which stays the place a cluster's Prometheus scrapes."""
+        text = await asyncio.to_thread(prometheus_text)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(self, request: Request):
@@ -342,6 +350,55 @@ class _Answer:
             api = P.api_error(err) or P.ApiError(500, repr(err), "server_error")
             yield P.sse(api.body())
         yield P.sse("[DONE]")
+
+
+PROMETHEUS_PREFIX = "ray_hisparse_"
+SCRAPE_TIMEOUT_S = 5.0
+
+
+def prometheus_text(prefix: str = PROMETHEUS_PREFIX) -> str:
+    """The metric families named ``prefix*`` of every alive node's Ray metrics export, merged
+    (:func:`merge_prometheus`); a node that does not answer is left out."""
+    import urllib.request
+
+    import ray
+
+    texts = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics",
+                                        timeout=SCRAPE_TIMEOUT_S) as resp:
+                texts.append(resp.read().decode())
+        except OSError as err:
+            log.warning("metrics of node %s left out: %r", node.get("NodeID"), err)
+    return merge_prometheus(texts, prefix)
+
+
+def merge_prometheus(texts: list[str], prefix: str) -> str:
+    """The families named ``prefix*`` of several Prometheus expositions as one: one HELP and
+    TYPE per family with every text's samples under it (a family twice is invalid text)."""
+    families: dict[str, dict] = {}
+    for text in texts:
+        family = None
+        for line in text.splitlines():
+            parts = line.split(" ", 3)
+            if line.startswith("# ") and len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                family = parts[2] if parts[2].startswith(prefix) else None
+                if family is not None:
+                    families.setdefault(family, {"samples": []}).setdefault(parts[1], line)
+            elif line.startswith(prefix):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                key = family if family is not None and name.startswith(family) else name
+                samples = families.setdefault(key, {"samples": []})["samples"]
+                if line not in samples:
+                    samples.append(line)
+    out = []
+    for fam in families.values():
+        out += [fam[k] for k in ("HELP", "TYPE") if k in fam] + fam["samples"]
+    return "".join(line + "\n" for line in out)
 
 
 def _retrieved(task: asyncio.Task) -> None:

@@ -413,13 +413,21 @@ def test_a_burst_beyond_the_queue_gets_429(app):
 
 def test_metrics_on_the_prometheus_endpoint_move(app):
     """vLLM-style request metrics and HiSparse's own counters, scraped from the node's metrics
-    export port, move with the requests served."""
-    handle, _, client = app
+    export port and from the API's own ``GET /metrics`` (no API key, as vLLM serves it), move
+    with the requests served."""
+    handle, url, client = app
     names = ["generation_tokens_total", "prompt_tokens_total", "time_to_first_token_seconds_count",
              "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
              "hot_buffer_lookups_total", "hot_buffer_hits_total", "host_to_device_bytes_total",
              "backups_total", "landing_bytes_total", "landing_seconds_count",
              "host_blocks_total", "request_success_total"]
+
+    def parse(text: str, out: dict[str, float]) -> dict[str, float]:
+        for line in text.splitlines():
+            if line.startswith("ray_hisparse_"):
+                name = line.split("{")[0].split(" ")[0].removeprefix("ray_hisparse_")
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
 
     def scrape() -> dict[str, float]:
         out: dict[str, float] = {}
@@ -428,14 +436,18 @@ def test_metrics_on_the_prometheus_endpoint_move(app):
                 continue
             port = node["MetricsExportPort"]
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                text = r.read().decode()
-            for line in text.splitlines():
-                if line.startswith("ray_hisparse_"):
-                    name = line.split("{")[0].split(" ")[0].removeprefix("ray_hisparse_")
-                    out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+                parse(r.read().decode(), out)
         return out
 
-    before = scrape()
+    def scrape_api() -> dict[str, float]:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            assert r.headers["content-type"].startswith("text/plain")
+            text = r.read().decode()
+        types = [line.split(" ")[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(types) == len(set(types)), "a metric family twice: invalid Prometheus text"
+        return parse(text, {})
+
+    before, before_api = scrape(), scrape_api()
     rng = random.Random(13)
     for n in (150, 10):
         client.completions.create(model=MODEL, prompt=[rng.randrange(1, 96) for _ in range(n)],
@@ -446,10 +458,14 @@ def test_metrics_on_the_prometheus_endpoint_move(app):
         moved = [n for n in names if n != "host_blocks_total"
                  and after.get(n, 0) > before.get(n, 0)]
         generated = after.get("generation_tokens_total", 0) - before.get("generation_tokens_total", 0)
-        if len(moved) == len(names) - 1 and after.get("host_blocks_total", 0) > 0 \
-                and generated >= 12:
+        after_api = scrape_api()
+        moved_api = [n for n in names if n != "host_blocks_total"
+                     and after_api.get(n, 0) > before_api.get(n, 0)]
+        if len(moved) == len(moved_api) == len(names) - 1 and generated >= 12 \
+                and after.get("host_blocks_total", 0) > 0 \
+                and after_api.get("host_blocks_total", 0) > 0:
             break
-        assert time.monotonic() < deadline, (sorted(set(names) - set(moved)), after)
+        assert time.monotonic() < deadline, (sorted(set(names) - set(moved)), after, after_api)
         time.sleep(1)
     _settled(handle)
 

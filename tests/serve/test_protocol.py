@@ -177,3 +177,35 @@ def test_text_is_checked_before_tokenizing():
         check_text("prompt", "a\ud800b", 4)
     with pytest.raises(CapacityError):
         check_text("prompt", "x" * (4 * 64 + 1), 4)
+
+
+def test_prometheus_texts_of_several_nodes_merge_into_one_valid_exposition():
+    """``GET /metrics`` merges every node's export: one HELP / TYPE per family (a family twice
+    is refused by Prometheus' parser), every node's samples under it, other families left out."""
+    from hisparse_ray.serve.openai_api import merge_prometheus
+
+    def node(n: int) -> str:
+        return (f"# HELP ray_other_x other\n# TYPE ray_other_x counter\nray_other_x 1\n"
+                f"# HELP ray_hisparse_tokens_total tokens\n# TYPE ray_hisparse_tokens_total counter\n"
+                f'ray_hisparse_tokens_total{{replica="{n}"}} {n}.0\n'
+                f"# HELP ray_hisparse_ttft_seconds ttft\n# TYPE ray_hisparse_ttft_seconds histogram\n"
+                f'ray_hisparse_ttft_seconds_bucket{{le="1.0",replica="{n}"}} {n}.0\n'
+                f'ray_hisparse_ttft_seconds_count{{replica="{n}"}} {n}.0\n')
+
+    text = merge_prometheus([node(1), node(2)], "ray_hisparse_")
+    lines = text.splitlines()
+    assert text.endswith("\n") and not any("ray_other" in x for x in lines)
+    for fam in ("ray_hisparse_tokens_total", "ray_hisparse_ttft_seconds"):
+        assert sum(x.startswith(f"# TYPE {fam} ") for x in lines) == 1
+        assert sum(x.startswith(f"# HELP {fam} ") for x in lines) == 1
+    assert lines[:4] == ["# HELP ray_hisparse_tokens_total tokens",
+                         "# TYPE ray_hisparse_tokens_total counter",
+                         'ray_hisparse_tokens_total{replica="1"} 1.0',
+                         'ray_hisparse_tokens_total{replica="2"} 2.0']
+    assert lines[4:] == ["# HELP ray_hisparse_ttft_seconds ttft",
+                         "# TYPE ray_hisparse_ttft_seconds histogram",
+                         'ray_hisparse_ttft_seconds_bucket{le="1.0",replica="1"} 1.0',
+                         'ray_hisparse_ttft_seconds_count{replica="1"} 1.0',
+                         'ray_hisparse_ttft_seconds_bucket{le="1.0",replica="2"} 2.0',
+                         'ray_hisparse_ttft_seconds_count{replica="2"} 2.0']
+    assert merge_prometheus([], "ray_hisparse_") == ""
