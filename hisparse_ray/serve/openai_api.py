@@ -349,6 +349,9 @@ class _Answer:
         except Exception as err:  # noqa: BLE001 - the status is sent: an error event instead
             api = P.api_error(err) or P.ApiError(500, repr(err), "server_error")
             yield P.sse(api.body())
+        finally:  # the client left while a chunk was being sent (closed here, not in _merged)
+            for c in self.choices:
+                c.cancel()
         yield P.sse("[DONE]")
 
 
