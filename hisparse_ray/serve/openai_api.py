@@ -120,6 +120,15 @@ class OpenAIServer:
             return fn(arg)
         return await asyncio.to_thread(fn, arg)
 
+    def _echo(self, prompt: str | list[int]) -> str:
+        """A prompt as ``echo`` returns it: the text as sent, token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise P.ApiError(400, "echo of token ids needs a tokenizer; this model has none",
+                             param="echo")
+        return self.tokenizer.decode(prompt)
+
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> dict:
@@ -175,15 +184,19 @@ class OpenAIServer:
                 messages = [m.as_dict() for m in req.messages]
                 text = "".join(m["content"] for m in messages)
                 prompts = [await self._encode(text, "messages", messages)]
+                echoes = [""]
             else:
+                given = req.prompts()
                 prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p)
-                           for p in req.prompts()]
+                           for p in given]
+                echoes = [self._echo(p) if req.echo else "" for p in given]
             stops = list(req.stop_token_ids or ())
             if not req.ignore_eos and self.tokenizer is not None:
                 stops += list(getattr(self.tokenizer, "eos_token_ids", ()))
             answer = _Answer(self, rid, chat, req, [
-                _Choice(self, req, ids, {**req.engine_args(max_new, j), "stop_token_ids": stops})
-                for ids in prompts for j in range(req.n)], sum(len(ids) for ids in prompts))
+                _Choice(self, req, ids, {**req.engine_args(max_new, j), "stop_token_ids": stops},
+                        echo) for ids, echo in zip(prompts, echoes) for j in range(req.n)],
+                sum(len(ids) for ids in prompts))
             await answer.start()  # errors of the request surface here, before a status
         except BaseException as err:  # noqa: BLE001 - mapped to a status below
             api = P.api_error(err)
@@ -208,8 +221,9 @@ class _Choice:
     """One choice's token stream from the HiSparse deployment (one request there), as text:
     incremental detokenization, stop strings, its completion tokens."""
 
-    def __init__(self, server: OpenAIServer, req, ids: list[int], args: dict) -> None:
-        self.server, self.ids, self.args = server, ids, args
+    def __init__(self, server: OpenAIServer, req, ids: list[int], args: dict,
+                 echo: str = "") -> None:
+        self.server, self.ids, self.args, self.echo = server, ids, args, echo
         self.stops = P.StopStrings(req.stop_strings())
         tok = server.tokenizer
         self.text = tok.stream() if tok is not None else None
@@ -236,6 +250,8 @@ class _Choice:
         (the upstream request is cancelled then: aborted, blocks freed)."""
         item = first
         try:
+            if self.echo:  # the prompt first (``echo``); stop strings look at new text only
+                yield self.echo, None
             while True:
                 if "done" in item:
                     tail = self.text.flush() if self.text is not None else ""

@@ -8,9 +8,9 @@ one choice each) and ``/v1/chat/completions`` (the tokenizer's chat template), `
 full-resident decode), ``top_p``, ``top_k`` (vLLM's extension; -1 / 0 = off), ``seed``, ``stop``
 (strings), ``stop_token_ids`` and ``ignore_eos`` (vLLM's extensions), ``stream`` with
 ``stream_options.include_usage``, ``n`` (choices per prompt: independent requests; with a
-``seed``, choice j samples with ``seed + j``), ``user``; at most ``MAX_CHOICES`` choices in all.
-Anything else that would change the output (``logprobs``, ``echo``, ``best_of`` > 1, penalties,
-``logit_bias``, tools, ``suffix``) is refused with 400 naming the parameter rather than silently
+``seed``, choice j samples with ``seed + j``), ``echo`` (completions: the prompt before the
+answer), ``user``; at most ``MAX_CHOICES`` choices in all. Anything else that would change the
+output (``logprobs``, ``best_of`` > 1, penalties, ``logit_bias``, tools, ``suffix``) is refused with 400 naming the parameter rather than silently
 ignored.
 """
 
@@ -157,7 +157,7 @@ class CompletionRequest(_Sampled):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, ok in (("echo", not self.echo), ("logprobs", self.logprobs is None),
+        for name, ok in (("logprobs", self.logprobs is None),
                          ("best_of", self.best_of in (None, 1)), ("suffix", not self.suffix)):
             if not ok:
                 raise ApiError(400, f"{name}={getattr(self, name)!r} is not supported",

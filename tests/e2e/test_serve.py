@@ -208,7 +208,8 @@ def test_batched_prompts_and_n_choices(app):
     """A list of prompts (texts or token-id lists) and ``n`` > 1: one choice per prompt x n in
     OpenAI's index order, each equal to the same prompt served alone (greedy: full-resident
     decode; seeded: choice j samples with seed + j), streamed chunks naming their choice's
-    index, usage counting each prompt once and every choice's tokens."""
+    index, usage counting each prompt once and every choice's tokens; ``echo`` puts each
+    prompt before its answer (stop strings apply to the answer only)."""
     from hisparse_ray.model.tokenizer import ByteTokenizer
     from hisparse_ray.types import SamplingParams
 
@@ -225,6 +226,16 @@ def test_batched_prompts_and_n_choices(app):
         assert out.usage.prompt_tokens == sum(len(tok.encode(p)) if isinstance(p, str) else len(p)
                                               for p in prompts)
         assert out.usage.completion_tokens == 10
+    echoed = client.completions.create(model=MODEL, prompt=texts, echo=True, max_tokens=5,
+                                       temperature=0, stop=texts[0][:3])
+    assert [c.text for c in echoed.choices] == [t + _text(w) for t, w in zip(texts, want[2:])]
+    out = client.completions.create(model=MODEL, prompt=ids[1], echo=True, max_tokens=5,
+                                    temperature=0)
+    assert out.choices[0].text == _text(ids[1]) + _text(want[1])
+    streamed = list(client.completions.create(model=MODEL, prompt=texts[0], echo=True,
+                                              max_tokens=5, temperature=0, stream=True))
+    assert streamed[0].choices[0].text == texts[0]  # the prompt comes first
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
     seeded = [_expected([p], 4, SamplingParams(temperature=0.9, seed=50 + j))[0]
               for p in ids for j in range(2)]
     out = client.completions.create(model=MODEL, prompt=ids, n=2, max_tokens=4, temperature=0.9,

@@ -42,7 +42,6 @@ def _parse(model, body) -> object:
     ({"model": "m", "prompt": ["x", ""]}, "prompt"),
     ({"model": "m", "prompt": [[1], []]}, "prompt"),
     ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -99,6 +98,7 @@ def test_good_requests_and_their_engine_arguments():
     assert both.new_tokens(4) == 2  # max_completion_tokens wins (max_tokens: its old name)
     assert _parse(ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}]}
                   ).new_tokens(4) is None  # the server's default
+    assert _parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True}).echo
     batch = _parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"], "n": 3, "seed": 5})
     assert batch.prompts() == ["a", "b"]  # a batch: each prompt gets n choices
     assert [batch.engine_args(4, j)["seed"] for j in range(3)] == [5, 6, 7]  # n choices differ
