@@ -21,6 +21,7 @@ upstream, which aborts them on the coordinator; a choice that is refused cancels
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import uuid
@@ -113,7 +114,7 @@ class OpenAIServer:
             raise P.ApiError(400, "this model has no tokenizer: send token ids", param=what)
         check_text(what, text, self.max_prompt_tokens)
         if chat is not None:
-            fn, arg = tok.encode_chat, chat
+            fn, arg = functools.partial(chat_ids, tok), chat
         else:
             fn, arg = tok.encode, text
         if len(text) <= TOKENIZE_INLINE_CHARS:
@@ -369,6 +370,24 @@ class _Answer:
             for c in self.choices:
                 c.cancel()
         yield P.sse("[DONE]")
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's ids for ``messages``. A template that refuses the conversation
+    (its ``raise_exception``: roles out of order, a role it does not know, a missing field) is
+    the client's error, 400 naming ``messages``; a template that does not compile stays a
+    server error."""
+    try:
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
+    except ImportError:  # no Jinja: no template to refuse anything
+        return tokenizer.encode_chat(messages)
+    try:
+        return tokenizer.encode_chat(messages)
+    except TemplateSyntaxError:
+        raise
+    except TemplateError as err:
+        raise P.ApiError(400, f"the model's chat template refused these messages: {err}",
+                         param="messages") from None
 
 
 PROMETHEUS_PREFIX = "ray_hisparse_"

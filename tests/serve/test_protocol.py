@@ -209,3 +209,32 @@ def test_prometheus_texts_of_several_nodes_merge_into_one_valid_exposition():
                          'ray_hisparse_ttft_seconds_bucket{le="1.0",replica="2"} 2.0',
                          'ray_hisparse_ttft_seconds_count{replica="2"} 2.0']
     assert merge_prometheus([], "ray_hisparse_") == ""
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400():
+    """Real chat templates refuse conversations (Mistral's: roles must alternate) with
+    ``raise_exception``; that is the client's error (400 naming ``messages``), not a 500. A
+    template that does not compile stays a server error."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    from hisparse_ray.model.tokenizer import ByteTokenizer, _render
+    from hisparse_ray.serve.openai_api import chat_ids
+
+    class Templated(ByteTokenizer):
+        template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0)"
+                    " %}{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+                    "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+        def apply_chat_template(self, messages, *, add_generation_prompt=True, **kwargs):
+            return _render(self.template, messages=list(messages))
+
+    tok = Templated()
+    ok = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert chat_ids(tok, ok) == tok.encode("user: a\nassistant: b\n", add_special_tokens=False)
+    with pytest.raises(ApiError) as info:
+        chat_ids(tok, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "alternate" in info.value.message
+    tok.template = "{% for m in messages %}"
+    with pytest.raises(TemplateSyntaxError):
+        chat_ids(tok, ok)
