@@ -187,6 +187,7 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # what a "tool" message answers (OpenAI requires it)
 
     def as_dict(self) -> dict:
         content = self.content
@@ -195,6 +196,8 @@ class Message(_Strict):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 

@@ -92,6 +92,9 @@ def test_good_requests_and_their_engine_arguments():
                                 "messages": [{"role": "user", "content": [
                                     {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert [m.as_dict() for m in chat.messages] == [{"role": "user", "content": "ab"}]
+    tool = _parse(ChatRequest, {"model": "m", "messages": [  # a "tool" message needs its id
+        {"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]})
+    assert tool.messages[1].as_dict() == {"role": "tool", "content": "42", "tool_call_id": "c1"}
     assert chat.new_tokens(3) == 3 and req.new_tokens(4) == 4
     both = _parse(ChatRequest, {"model": "m", "max_tokens": 9, "max_completion_tokens": 2,
                                 "messages": [{"role": "user", "content": "x"}]})
