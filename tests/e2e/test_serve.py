@@ -273,6 +273,43 @@ def test_batched_prompts_and_n_choices(app):
     _settled(handle)
 
 
+def test_eight_concurrent_requests_streamed_and_not_are_independent(app):
+    """8 requests at once, completions and chat, streamed and not, host and resident landings:
+    each greedy answer is full-resident decode's for its own prompt (as if served alone)."""
+    from hisparse_ray.model.tokenizer import ByteTokenizer
+
+    handle, _, client = app
+    tok = ByteTokenizer()
+    rng = random.Random(31)
+    prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (160, 7, 120, 30, 150, 12)]
+    chats = [[{"role": "user", "content": f"question {i}?"}] for i in range(2)]
+    want = [_text(w) for w in _expected([*prompts, *(tok.encode_chat(m) for m in chats)], 6)]
+
+    async def main():
+        a = openai.AsyncOpenAI(base_url=client.base_url, api_key=KEY, max_retries=0,
+                               timeout=240)
+
+        async def completion(i):
+            kw = dict(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0)
+            if i % 2:
+                return (await a.completions.create(**kw)).choices[0].text
+            return "".join([c.choices[0].text async for c in
+                            await a.completions.create(**kw, stream=True)])
+
+        async def chat(i):
+            kw = dict(model=MODEL, messages=chats[i], max_tokens=6, temperature=0)
+            if i % 2:
+                return (await a.chat.completions.create(**kw)).choices[0].message.content
+            return "".join([c.choices[0].delta.content or "" async for c in
+                            await a.chat.completions.create(**kw, stream=True)])
+
+        return await asyncio.gather(*[completion(i) for i in range(6)],
+                                    *[chat(i) for i in range(2)])
+
+    assert asyncio.run(main()) == want
+    _settled(handle)
+
+
 def _sse(url: str, body: dict) -> tuple[int, list[str]]:
     """(status, the ``data:`` payloads) of a streamed answer, read with raw HTTP."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
