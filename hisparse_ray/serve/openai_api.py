@@ -3,7 +3,8 @@
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every other
-path is 404 and a wrong method 405, both with OpenAI-style error bodies (``{"error": {"message", "type", "param", "code"}}``).
+path is 404 and a wrong method 405, both with OpenAI-style error bodies
+(``{"error": {"message", "type", "param", "code"}}``).
 
 Per request, in this order, each step before any work of the next: the API key (401), the body
 size from ``Content-Length`` and while reading (413, the body is never read past the cap), JSON

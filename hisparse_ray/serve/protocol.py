@@ -10,8 +10,8 @@ full-resident decode), ``top_p``, ``top_k`` (vLLM's extension; -1 / 0 = off), ``
 ``stream_options.include_usage``, ``n`` (choices per prompt: independent requests; with a
 ``seed``, choice j samples with ``seed + j``), ``echo`` (completions: the prompt before the
 answer), ``user``; at most ``MAX_CHOICES`` choices in all. Anything else that would change the
-output (``logprobs``, ``best_of`` > 1, penalties, ``logit_bias``, tools, ``suffix``) is refused with 400 naming the parameter rather than silently
-ignored.
+output (``logprobs``, ``best_of`` > 1, penalties, ``logit_bias``, tools, ``suffix``) is refused
+with 400 naming the parameter rather than silently ignored.
 """
 
 from __future__ import annotations

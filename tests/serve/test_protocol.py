@@ -189,9 +189,11 @@ def test_prometheus_texts_of_several_nodes_merge_into_one_valid_exposition():
 
     def node(n: int) -> str:
         return (f"# HELP ray_other_x other\n# TYPE ray_other_x counter\nray_other_x 1\n"
-                f"# HELP ray_hisparse_tokens_total tokens\n# TYPE ray_hisparse_tokens_total counter\n"
+                f"# HELP ray_hisparse_tokens_total tokens\n"
+                f"# TYPE ray_hisparse_tokens_total counter\n"
                 f'ray_hisparse_tokens_total{{replica="{n}"}} {n}.0\n'
-                f"# HELP ray_hisparse_ttft_seconds ttft\n# TYPE ray_hisparse_ttft_seconds histogram\n"
+                f"# HELP ray_hisparse_ttft_seconds ttft\n"
+                f"# TYPE ray_hisparse_ttft_seconds histogram\n"
                 f'ray_hisparse_ttft_seconds_bucket{{le="1.0",replica="{n}"}} {n}.0\n'
                 f'ray_hisparse_ttft_seconds_count{{replica="{n}"}} {n}.0\n')
 
