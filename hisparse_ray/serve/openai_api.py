@@ -2,30 +2,34 @@
 (``@serve.ingress``) in front of the HiSparse deployment (:class:`HiSparseServer`).
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /health``. Every other path is 404 and a wrong method 405,
-both with OpenAI-style error bodies (``{"error": {"message", "type", "param", "code"}}``).
+``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every other
+path is 404 and a wrong method 405, both with OpenAI-style error bodies
+(``{"error": {"message", "type", "param", "code"}}``).
 
 Per request, in this order, each step before any work of the next: the API key (401), the body
 size from ``Content-Length`` and while reading (413, the body is never read past the cap), JSON
 and parameters (400 naming the parameter), the model id (404), the prompt's characters (413
 before tokenizing) and text (a lone surrogate: 400), tokenizing (off the event loop), then the
-request goes to the HiSparse deployment as token ids and its tokens come back per decode step
-(``generate_stream``): text is detokenized incrementally, stop strings end the request early
-(its blocks are freed at once), and the answer goes out whole or as server-sent events (the
-first chat delta carries ``"role": "assistant"``, then ``data: [DONE]``). A client that
-disconnects cancels its request upstream, which aborts it on the coordinator.
+request goes to the HiSparse deployment as token ids, one engine request per choice (a batch of
+prompts x ``n``, all at once), and their tokens come back per decode step
+(``generate_stream``): text is detokenized incrementally, stop strings end a choice early
+(its blocks are freed at once), and the answer goes out whole or as server-sent events (each
+chunk naming its choice's ``index``; the first chat delta of each carries
+``"role": "assistant"``, then ``data: [DONE]``). A client that disconnects cancels its requests
+upstream, which aborts them on the coordinator; a choice that is refused cancels the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hisparse_ray.deploy import DeployOptions
@@ -43,7 +47,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     """404 (no such path) and 405 (wrong method) as OpenAI-style bodies."""
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = {404: f"no route {request.url.path!r}; routes: /v1/models, /v1/completions, "
-                f"/v1/chat/completions, /health",
+                f"/v1/chat/completions, /health, /metrics",
            405: f"{request.method} is not allowed on {request.url.path!r}"}.get(
         exc.status_code, str(exc.detail))
     return JSONResponse(P.ApiError(exc.status_code, msg, code=kind).body(),
@@ -111,17 +115,34 @@ class OpenAIServer:
             raise P.ApiError(400, "this model has no tokenizer: send token ids", param=what)
         check_text(what, text, self.max_prompt_tokens)
         if chat is not None:
-            fn, arg = tok.encode_chat, chat
+            fn, arg = functools.partial(chat_ids, tok), chat
         else:
             fn, arg = tok.encode, text
         if len(text) <= TOKENIZE_INLINE_CHARS:
             return fn(arg)
         return await asyncio.to_thread(fn, arg)
 
+    def _echo(self, prompt: str | list[int]) -> str:
+        """A prompt as ``echo`` returns it: the text as sent, token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise P.ApiError(400, "echo of token ids needs a tokenizer; this model has none",
+                             param="echo")
+        return self.tokenizer.decode(prompt)
+
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        """HiSparse's Prometheus metrics on the API's own port, where vLLM-style servers serve
+        them (open, like ``/health``): the ``ray_hisparse_*`` families of every node's Ray
+        metrics export, which stays the place a cluster's Prometheus scrapes."""
+        text = await asyncio.to_thread(prometheus_text)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(self, request: Request):
@@ -160,22 +181,25 @@ class OpenAIServer:
             req = P.parse(P.ChatRequest if chat else P.CompletionRequest,
                           await self._body(request))
             self._check_model(req.model)
+            max_new = req.new_tokens(self.options.max_new_tokens_limit)
             if chat:
                 messages = [m.as_dict() for m in req.messages]
                 text = "".join(m["content"] for m in messages)
-                ids = await self._encode(text, "messages", messages)
-                max_tokens = req.max_completion_tokens or req.max_tokens
+                prompts = [await self._encode(text, "messages", messages)]
+                echoes = [""]
             else:
-                prompt = req.one_prompt()
-                ids = await self._encode(prompt, "prompt") if isinstance(prompt, str) \
-                    else list(prompt)
-                max_tokens = req.max_tokens
-            args = req.engine_args(max_tokens)
+                given = req.prompts()
+                prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p)
+                           for p in given]
+                echoes = [self._echo(p) if req.echo else "" for p in given]
             stops = list(req.stop_token_ids or ())
             if not req.ignore_eos and self.tokenizer is not None:
                 stops += list(getattr(self.tokenizer, "eos_token_ids", ()))
-            stream = _Generation(self, rid, chat, req, ids, {**args, "stop_token_ids": stops})
-            first = await stream.start()  # errors of the request surface here, before a status
+            answer = _Answer(self, rid, chat, req, [
+                _Choice(self, req, ids, {**req.engine_args(max_new, j), "stop_token_ids": stops},
+                        echo) for ids, echo in zip(prompts, echoes) for j in range(req.n)],
+                sum(len(ids) for ids in prompts))
+            await answer.start()  # errors of the request surface here, before a status
         except BaseException as err:  # noqa: BLE001 - mapped to a status below
             api = P.api_error(err)
             if api is None:
@@ -183,10 +207,10 @@ class OpenAIServer:
             return _error(api, rid)
         headers = {"x-request-id": rid}
         if req.stream:
-            return StreamingResponse(stream.events(first), media_type="text/event-stream",
+            return StreamingResponse(answer.events(), media_type="text/event-stream",
                                      headers=headers)
         try:
-            body = await stream.whole(first)
+            body = await answer.whole()
         except BaseException as err:  # noqa: BLE001
             api = P.api_error(err)
             if api is None:
@@ -195,21 +219,18 @@ class OpenAIServer:
         return JSONResponse(body, headers=headers)
 
 
-class _Generation:
-    """One request's token stream from the HiSparse deployment, as text: incremental
-    detokenization, stop strings, usage; ``events`` (SSE) or ``whole`` (one body)."""
+class _Choice:
+    """One choice's token stream from the HiSparse deployment (one request there), as text:
+    incremental detokenization, stop strings, its completion tokens."""
 
-    def __init__(self, server: OpenAIServer, rid: str, chat: bool, req, ids: list[int],
-                 args: dict) -> None:
-        self.server, self.rid, self.chat, self.req = server, rid, chat, req
-        self.ids, self.args = ids, args
-        self.created = P.now()
+    def __init__(self, server: OpenAIServer, req, ids: list[int], args: dict,
+                 echo: str = "") -> None:
+        self.server, self.ids, self.args, self.echo = server, ids, args, echo
         self.stops = P.StopStrings(req.stop_strings())
         tok = server.tokenizer
         self.text = tok.stream() if tok is not None else None
         self.gen = None
         self.completion_tokens = 0
-        self.finish: str | None = None
 
     async def start(self):
         """Submit and wait for the first item (a bad request raises here, before any status
@@ -222,11 +243,17 @@ class _Generation:
             self.gen.cancel()
             raise
 
-    async def _pieces(self, first):
+    def cancel(self) -> None:
+        if self.gen is not None:
+            self.gen.cancel()
+
+    async def pieces(self, first):
         """(text piece, finish reason or None) per upstream item, stopping at a stop string
         (the upstream request is cancelled then: aborted, blocks freed)."""
         item = first
         try:
+            if self.echo:  # the prompt first (``echo``); stop strings look at new text only
+                yield self.echo, None
             while True:
                 if "done" in item:
                     tail = self.text.flush() if self.text is not None else ""
@@ -249,40 +276,174 @@ class _Generation:
         finally:
             self.gen.cancel()  # a stop string, an error or the client left: end it upstream
 
+
+class _Answer:
+    """One HTTP request's choices (prompts x n, in OpenAI's index order), run at once and
+    merged as they come: ``events`` (SSE, each chunk naming its choice's index) or ``whole``
+    (one body); usage counts each prompt once and every choice's tokens."""
+
+    def __init__(self, server: OpenAIServer, rid: str, chat: bool, req, choices: list[_Choice],
+                 prompt_tokens: int) -> None:
+        self.server, self.rid, self.chat, self.req = server, rid, chat, req
+        self.choices, self.prompt_tokens = choices, prompt_tokens
+        self.created = P.now()
+        self.firsts: list = []
+
+    async def start(self) -> None:
+        """Start every choice; if one is refused, the others are cancelled and its error
+        raised (the first that is not a cancellation)."""
+        try:
+            got = await asyncio.gather(*(c.start() for c in self.choices),
+                                       return_exceptions=True)
+        except BaseException:  # the caller left: end whatever started
+            for c in self.choices:
+                c.cancel()
+            raise
+        errors = [g for g in got if isinstance(g, BaseException)]
+        if errors:
+            for c in self.choices:
+                c.cancel()
+            raise next((e for e in errors if not isinstance(e, asyncio.CancelledError)),
+                       errors[0])
+        self.firsts = got
+
+    async def _merged(self):
+        """(choice index, text piece, finish reason or None) of every choice as they come; on
+        an error or when the consumer leaves, every choice is cancelled upstream."""
+        its = [c.pieces(f) for c, f in zip(self.choices, self.firsts)]
+        pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(its)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in sorted(done, key=pending.__getitem__):
+                    i = pending.pop(t)
+                    try:
+                        piece, fin = t.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield i, piece, fin
+                    pending[asyncio.ensure_future(its[i].__anext__())] = i
+        finally:
+            for t in pending:  # no await here: a cancelled consumer may not wait again
+                t.cancel()
+                t.add_done_callback(_retrieved)
+            for c in self.choices:
+                c.cancel()
+
     def _usage(self) -> dict:
-        return P.usage(len(self.ids), self.completion_tokens)
+        return P.usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
 
-    async def whole(self, first) -> dict:
-        parts, fin = [], None
-        async for piece, fin in self._pieces(first):
-            parts.append(piece)
-        text = "".join(parts)
+    async def whole(self) -> dict:
+        parts: list[list[str]] = [[] for _ in self.choices]
+        fins: list[str | None] = [None] * len(self.choices)
+        async for i, piece, fin in self._merged():
+            parts[i].append(piece)
+            fins[i] = fin or fins[i]
         body = P.chat if self.chat else P.completion
-        return body(self.rid, self.server.model_id, text, fin, self._usage(), self.created)
+        return body(self.rid, self.server.model_id, [("".join(p), f) for p, f in
+                                                     zip(parts, fins)],
+                    self._usage(), self.created)
 
-    async def events(self, first):
+    async def events(self):
         model, rid, created = self.server.model_id, self.rid, self.created
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         try:
             if self.chat:
-                yield P.sse(P.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None,
-                                         None, created))
-            async for piece, fin in self._pieces(first):
+                for i in range(len(self.choices)):
+                    yield P.sse(P.chat_chunk(rid, model, {"role": "assistant", "content": ""},
+                                             None, None, created, i))
+            async for i, piece, fin in self._merged():
                 if self.chat:
                     if piece:
                         yield P.sse(P.chat_chunk(rid, model, {"content": piece}, None, None,
-                                                 created))
+                                                 created, i))
                     if fin is not None:
-                        yield P.sse(P.chat_chunk(rid, model, {}, fin, None, created))
+                        yield P.sse(P.chat_chunk(rid, model, {}, fin, None, created, i))
                 else:
-                    yield P.sse(P.completion_chunk(rid, model, piece, fin, None, created))
+                    yield P.sse(P.completion_chunk(rid, model, piece, fin, None, created, i))
             if include_usage:
                 chunk = P.chat_chunk if self.chat else P.completion_chunk
                 yield P.sse(chunk(rid, model, None, None, self._usage(), created))
         except Exception as err:  # noqa: BLE001 - the status is sent: an error event instead
             api = P.api_error(err) or P.ApiError(500, repr(err), "server_error")
             yield P.sse(api.body())
+        finally:  # the client left while a chunk was being sent (closed here, not in _merged)
+            for c in self.choices:
+                c.cancel()
         yield P.sse("[DONE]")
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's ids for ``messages``. A template that refuses the conversation
+    (its ``raise_exception``: roles out of order, a role it does not know, a missing field) is
+    the client's error, 400 naming ``messages``; a template that does not compile stays a
+    server error."""
+    try:
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
+    except ImportError:  # no Jinja: no template to refuse anything
+        return tokenizer.encode_chat(messages)
+    try:
+        return tokenizer.encode_chat(messages)
+    except TemplateSyntaxError:
+        raise
+    except TemplateError as err:
+        raise P.ApiError(400, f"the model's chat template refused these messages: {err}",
+                         param="messages") from None
+
+
+PROMETHEUS_PREFIX = "ray_hisparse_"
+SCRAPE_TIMEOUT_S = 5.0
+
+
+def prometheus_text(prefix: str = PROMETHEUS_PREFIX) -> str:
+    """The metric families named ``prefix*`` of every alive node's Ray metrics export, merged
+    (:func:`merge_prometheus`); a node that does not answer is left out."""
+    import urllib.request
+
+    import ray
+
+    texts = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics",
+                                        timeout=SCRAPE_TIMEOUT_S) as resp:
+                texts.append(resp.read().decode())
+        except OSError as err:
+            log.warning("metrics of node %s left out: %r", node.get("NodeID"), err)
+    return merge_prometheus(texts, prefix)
+
+
+def merge_prometheus(texts: list[str], prefix: str) -> str:
+    """The families named ``prefix*`` of several Prometheus expositions as one: one HELP and
+    TYPE per family with every text's samples under it (a family twice is invalid text)."""
+    families: dict[str, dict] = {}
+    for text in texts:
+        family = None
+        for line in text.splitlines():
+            parts = line.split(" ", 3)
+            if line.startswith("# ") and len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                family = parts[2] if parts[2].startswith(prefix) else None
+                if family is not None:
+                    families.setdefault(family, {"samples": []}).setdefault(parts[1], line)
+            elif line.startswith(prefix):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                key = family if family is not None and name.startswith(family) else name
+                samples = families.setdefault(key, {"samples": []})["samples"]
+                if line not in samples:
+                    samples.append(line)
+    out = []
+    for fam in families.values():
+        out += [fam[k] for k in ("HELP", "TYPE") if k in fam] + fam["samples"]
+    return "".join(line + "\n" for line in out)
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Mark a cancelled-on-exit task's outcome as seen (no 'exception never retrieved' log)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _ingress():

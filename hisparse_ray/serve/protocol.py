@@ -2,14 +2,16 @@
 fields refused), their translation into HiSparse generation parameters, stop strings, response
 and stream-chunk bodies, and OpenAI-style error bodies with their HTTP statuses.
 
-Supported: ``/v1/completions`` (``prompt`` text or token ids, one prompt) and
-``/v1/chat/completions`` (the tokenizer's chat template), ``max_tokens``
+Supported: ``/v1/completions`` (``prompt`` text or token ids, or a list of either: a batch,
+one choice each) and ``/v1/chat/completions`` (the tokenizer's chat template), ``max_tokens``
 (``max_completion_tokens``), ``temperature`` (OpenAI's default 1.0; 0 = greedy, bit-exact with
 full-resident decode), ``top_p``, ``top_k`` (vLLM's extension; -1 / 0 = off), ``seed``, ``stop``
 (strings), ``stop_token_ids`` and ``ignore_eos`` (vLLM's extensions), ``stream`` with
-``stream_options.include_usage``, ``n`` = 1, ``user``. Anything else that would change the
-output (``n`` > 1, ``logprobs``, ``echo``, penalties, ``logit_bias``, tools, ``suffix``) is
-refused with 400 naming the parameter rather than silently ignored.
+``stream_options.include_usage``, ``n`` (choices per prompt: independent requests; with a
+``seed``, choice j samples with ``seed + j``), ``echo`` (completions: the prompt before the
+answer), ``user``; at most ``MAX_CHOICES`` choices in all. Anything else that would change the
+output (``logprobs``, ``best_of`` > 1, penalties, ``logit_bias``, tools, ``suffix``) is refused
+with 400 naming the parameter rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hisparse_ray.errors import CapacityError, ConfigError, HiSparseError, Inval
 from hisparse_ray.errors import StateError, TransferError
 
 MAX_STOPS = 16
+MAX_CHOICES = 64  # prompts x n of one request (each is one request to the engine)
 
 
 def model_id(options) -> str:
@@ -57,8 +60,10 @@ def api_error(err: BaseException) -> ApiError | None:
         return err
     if isinstance(err, CapacityError):
         return ApiError(413, str(err), code="request_too_large")
-    if isinstance(err, (InvalidRequestError, ConfigError)):
-        return ApiError(400, str(err).replace("request '-': ", ""))
+    if isinstance(err, InvalidRequestError):
+        return ApiError(400, err.reason)
+    if isinstance(err, ConfigError):
+        return ApiError(400, str(err), param=err.key)
     if isinstance(err, BackPressureError):
         return ApiError(429, "too many requests in flight; retry later", "rate_limit_error",
                         code="rate_limit_exceeded")
@@ -73,7 +78,7 @@ def api_error(err: BaseException) -> ApiError | None:
 
 # -- requests ----------------------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -91,7 +96,7 @@ class _Sampled(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = 0.0
@@ -100,13 +105,15 @@ class _Sampled(_Strict):
     user: str | None = None
 
     def check_supported(self) -> None:
-        for name, ok in (("n", self.n == 1), ("presence_penalty", not self.presence_penalty),
+        for name, ok in (("presence_penalty", not self.presence_penalty),
                          ("frequency_penalty", not self.frequency_penalty),
                          ("logit_bias", not self.logit_bias)):
             if not ok:
                 raise ApiError(400, f"{name}={getattr(self, name)!r} is not supported "
-                                    f"(HiSparse serves n=1 without penalties or biases)",
+                                    f"(HiSparse serves without penalties or biases)",
                                param=name)
+        if self.n > MAX_CHOICES:
+            raise ApiError(400, f"n={self.n} is more than {MAX_CHOICES} choices", param="n")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream=true", param="stream_options")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
@@ -119,12 +126,26 @@ class _Sampled(_Strict):
             raise ApiError(400, f"stop has {len(stops)} strings; at most {MAX_STOPS}", param="stop")
         return [s for s in stops if s]
 
-    def engine_args(self, max_tokens: int | None) -> dict:
-        """Keyword arguments of ``HiSparseServer.generate_stream`` (ids and stops added by the
-        caller)."""
+    def new_tokens(self, limit: int) -> int | None:
+        """The new tokens asked for (None: the server's default), at most ``limit``: 400 naming
+        the parameter the client sent, not the engine's name for it."""
+        name, n = self._max_tokens()
+        if n is not None and n > limit:
+            raise ApiError(400, f"{name}={n} is more than the {limit} new tokens this server "
+                                f"generates per request", param=name)
+        return n
+
+    def _max_tokens(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
+    def engine_args(self, max_tokens: int | None, choice: int = 0) -> dict:
+        """Keyword arguments of ``HiSparseServer.generate_stream`` for choice ``choice`` of a
+        prompt (ids and stops added by the caller): with a seed, choice j samples with seed + j,
+        so the n choices differ and each replays."""
+        seed = None if self.seed is None else (self.seed + choice) % 2**63
         return {"max_new_tokens": max_tokens,
                 "temperature": 1.0 if self.temperature is None else self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+                "top_p": self.top_p, "top_k": self.top_k, "seed": seed}
 
 
 class CompletionRequest(_Sampled):
@@ -136,23 +157,25 @@ class CompletionRequest(_Sampled):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, ok in (("echo", not self.echo), ("logprobs", self.logprobs is None),
+        for name, ok in (("logprobs", self.logprobs is None),
                          ("best_of", self.best_of in (None, 1)), ("suffix", not self.suffix)):
             if not ok:
                 raise ApiError(400, f"{name}={getattr(self, name)!r} is not supported",
                                param=name)
 
-    def one_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids (a list of one of them is accepted too)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: one, or a batch (a list of texts or of token-id
+        lists); each gets ``n`` choices, at most ``MAX_CHOICES`` in all."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError(400, f"prompt holds {len(p)} prompts; send one per request",
-                               param="prompt")
-            p = p[0]
-        if not p:
-            raise ApiError(400, "prompt is empty", param="prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, one in enumerate(batch):
+            if not one:
+                where = f"prompt[{i}]" if len(batch) > 1 else "prompt"
+                raise ApiError(400, f"{where} is empty", param="prompt")
+        if len(batch) * self.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(batch)} prompts x n={self.n} is more than {MAX_CHOICES} "
+                                f"choices", param="prompt" if self.n == 1 else "n")
+        return batch
 
 
 class TextPart(_Strict):
@@ -164,6 +187,7 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # what a "tool" message answers (OpenAI requires it)
 
     def as_dict(self) -> dict:
         content = self.content
@@ -172,6 +196,8 @@ class Message(_Strict):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -183,6 +209,11 @@ class ChatRequest(_Sampled):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
+
+    def _max_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -202,8 +233,15 @@ def parse(model: type[BaseModel], body: bytes):
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:
         raise ApiError(400, f"body is not JSON: {err}") from None
+    except RecursionError:  # a body of nested brackets: the parser's recursion limit, not a bug
+        raise ApiError(400, "body is not JSON a server takes: nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"body must be a JSON object, got {type(data).__name__}")
+    # OpenAI's optional parameters are nullable ("n": null, "stream": null): null = not given
+    data = {k: v for k, v in data.items() if v is not None}
+    if isinstance(data.get("stream_options"), dict):
+        data["stream_options"] = {k: v for k, v in data["stream_options"].items()
+                                  if v is not None}
     try:
         req = model.model_validate(data, strict=True)
     except ValidationError as err:
@@ -257,28 +295,33 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, model: str, text: str, finish: str | None, use: dict | None,
+def completion(rid: str, model: str, choices: list[tuple[str, str | None]], use: dict | None,
                created: int) -> dict:
+    """A completion body; ``choices``: (text, finish reason) in index order."""
     out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+           "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+                       for i, (text, finish) in enumerate(choices)]}
     if use is not None:
         out["usage"] = use
     return out
 
 
-def chat(rid: str, model: str, text: str, finish: str | None, use: dict | None,
+def chat(rid: str, model: str, choices: list[tuple[str, str | None]], use: dict | None,
          created: int) -> dict:
+    """A chat completion body; ``choices``: (content, finish reason) in index order."""
     out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-           "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                        "finish_reason": finish, "logprobs": None}]}
+           "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish, "logprobs": None}
+                       for i, (text, finish) in enumerate(choices)]}
     if use is not None:
         out["usage"] = use
     return out
 
 
 def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use: dict | None,
-               created: int) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
+               created: int, index: int = 0) -> dict:
+    """A chat stream chunk of choice ``index`` (``delta`` None: no choice, the usage chunk)."""
+    choices = [] if delta is None else [{"index": index, "delta": delta, "finish_reason": finish,
                                          "logprobs": None}]
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
            "choices": choices}
@@ -288,10 +331,11 @@ def chat_chunk(rid: str, model: str, delta: dict | None, finish: str | None, use
 
 
 def completion_chunk(rid: str, model: str, text: str | None, finish: str | None,
-                     use: dict | None, created: int) -> dict:
-    out = completion(rid, model, text or "", finish, use, created)
-    if text is None:
-        out["choices"] = []
+                     use: dict | None, created: int, index: int = 0) -> dict:
+    """A completion stream chunk of choice ``index`` (``text`` None: the usage chunk)."""
+    out = completion(rid, model, [] if text is None else [(text, finish)], use, created)
+    for choice in out["choices"]:
+        choice["index"] = index
     return out
 
 

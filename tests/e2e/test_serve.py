@@ -204,13 +204,129 @@ def test_sampling_parameters(app):
     _settled(handle)
 
 
+def test_batched_prompts_and_n_choices(app):
+    """A list of prompts (texts or token-id lists) and ``n`` > 1: one choice per prompt x n in
+    OpenAI's index order, each equal to the same prompt served alone (greedy: full-resident
+    decode; seeded: choice j samples with seed + j), streamed chunks naming their choice's
+    index, usage counting each prompt once and every choice's tokens; ``echo`` puts each
+    prompt before its answer (stop strings apply to the answer only)."""
+    from hisparse_ray.model.tokenizer import ByteTokenizer
+    from hisparse_ray.types import SamplingParams
+
+    handle, url, client = app
+    tok = ByteTokenizer()
+    rng = random.Random(21)
+    ids = [[rng.randrange(1, 96) for _ in range(n)] for n in (150, 9)]
+    texts = ["first prompt", "a second, longer prompt"]
+    want = _expected([*ids, *(tok.encode(t) for t in texts)], 5)
+    for prompts, expected in ((ids, want[:2]), (texts, want[2:])):
+        out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
+        assert [c.index for c in out.choices] == [0, 1]
+        assert [c.text for c in out.choices] == [_text(w) for w in expected]
+        assert out.usage.prompt_tokens == sum(len(tok.encode(p)) if isinstance(p, str) else len(p)
+                                              for p in prompts)
+        assert out.usage.completion_tokens == 10
+    echoed = client.completions.create(model=MODEL, prompt=texts, echo=True, max_tokens=5,
+                                       temperature=0, stop=texts[0][:3])
+    assert [c.text for c in echoed.choices] == [t + _text(w) for t, w in zip(texts, want[2:])]
+    out = client.completions.create(model=MODEL, prompt=ids[1], echo=True, max_tokens=5,
+                                    temperature=0)
+    assert out.choices[0].text == _text(ids[1]) + _text(want[1])
+    streamed = list(client.completions.create(model=MODEL, prompt=texts[0], echo=True,
+                                              max_tokens=5, temperature=0, stream=True))
+    assert streamed[0].choices[0].text == texts[0]  # the prompt comes first
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+    seeded = [_expected([p], 4, SamplingParams(temperature=0.9, seed=50 + j))[0]
+              for p in ids for j in range(2)]
+    out = client.completions.create(model=MODEL, prompt=ids, n=2, max_tokens=4, temperature=0.9,
+                                    seed=50)
+    assert [c.text for c in out.choices] == [_text(w) for w in seeded]
+    assert out.usage.prompt_tokens == 159 and out.usage.completion_tokens == 16
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, n=2, max_tokens=4,
+                                            temperature=0.9, seed=50, stream=True,
+                                            stream_options={"include_usage": True}))
+    got: dict[int, str] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        got[choice.index] = got.get(choice.index, "") + choice.text
+    assert [got[i] for i in range(4)] == [c.text for c in out.choices]
+    assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
+
+    status, lines = _sse(url + "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3,
+        "max_completion_tokens": 3, "temperature": 0, "stream": True})
+    assert status == 200 and lines[-1] == "[DONE]"
+    events = [json.loads(x) for x in lines[:-1]]
+    firsts = {}
+    for e in events:
+        (choice,) = e["choices"]
+        firsts.setdefault(choice["index"], choice)
+    assert sorted(firsts) == [0, 1, 2]
+    assert all(f["delta"]["role"] == "assistant" for f in firsts.values())
+    finals = [e["choices"][0] for e in events if e["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for f in finals) == [0, 1, 2]
+    assert all(f["finish_reason"] == "length" for f in finals)
+    answer = _text(_expected([tok.encode_chat([{"role": "user", "content": "hi"}])], 3)[0])
+    for i in range(3):
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e["choices"][0]["index"] == i) == answer
+    _settled(handle)
+
+
+def test_eight_concurrent_requests_streamed_and_not_are_independent(app):
+    """8 requests at once, completions and chat, streamed and not, host and resident landings:
+    each greedy answer is full-resident decode's for its own prompt (as if served alone)."""
+    from hisparse_ray.model.tokenizer import ByteTokenizer
+
+    handle, _, client = app
+    tok = ByteTokenizer()
+    rng = random.Random(31)
+    prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (160, 7, 120, 30, 150, 12)]
+    chats = [[{"role": "user", "content": f"question {i}?"}] for i in range(2)]
+    want = [_text(w) for w in _expected([*prompts, *(tok.encode_chat(m) for m in chats)], 6)]
+
+    async def main():
+        a = openai.AsyncOpenAI(base_url=client.base_url, api_key=KEY, max_retries=0,
+                               timeout=240)
+
+        async def completion(i):
+            kw = dict(model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0)
+            if i % 2:
+                return (await a.completions.create(**kw)).choices[0].text
+            return "".join([c.choices[0].text async for c in
+                            await a.completions.create(**kw, stream=True)])
+
+        async def chat(i):
+            kw = dict(model=MODEL, messages=chats[i], max_tokens=6, temperature=0)
+            if i % 2:
+                return (await a.chat.completions.create(**kw)).choices[0].message.content
+            return "".join([c.choices[0].delta.content or "" async for c in
+                            await a.chat.completions.create(**kw, stream=True)])
+
+        return await asyncio.gather(*[completion(i) for i in range(6)],
+                                    *[chat(i) for i in range(2)])
+
+    assert asyncio.run(main()) == want
+    _settled(handle)
+
+
+def _sse(url: str, body: dict) -> tuple[int, list[str]]:
+    """(status, the ``data:`` payloads) of a streamed answer, read with raw HTTP."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=240) as resp:
+        lines = [line.decode().strip() for line in resp]
+        return resp.status, [x.removeprefix("data: ") for x in lines if x.startswith("data: ")]
+
+
 BAD = [  # (method, path, body, status, param or message fragment): docs/architecture.md's table
     ("POST", "/v1/completions", b"{not json", 400, "not JSON"),
     ("POST", "/v1/completions", [1, 2], 400, "JSON object"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "0.5"}, 400,
      "temperature"),
-    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 65}, 400, "n"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": ["x", ""]}, 400, "prompt[1]"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": [1, 500]}, 400, "token id 500"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
@@ -220,7 +336,15 @@ BAD = [  # (method, path, body, status, param or message fragment): docs/archite
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400,
      "max_tokens"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": LONG + 1}, 400,
-     f"max_new_tokens={LONG + 1}"),
+     f"max_tokens={LONG + 1}"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "max_completion_tokens": 10**9,
+                                      "messages": [{"role": "user", "content": "x"}]}, 400,
+     "max_completion_tokens"),
+    ("POST", "/v1/completions", b'{"model": "%s", "prompt": "x", "temperature": Infinity}'
+     % MODEL.encode(), 400, "temperature"),
+    ("POST", "/v1/completions", b"[" * 60000, 400, "not JSON"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": None, "stream": None,
+                                 "max_tokens": 0}, 400, "max_tokens"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400,
      "stop token id -1"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [96]}, 400,
@@ -337,13 +461,21 @@ def test_a_burst_beyond_the_queue_gets_429(app):
 
 def test_metrics_on_the_prometheus_endpoint_move(app):
     """vLLM-style request metrics and HiSparse's own counters, scraped from the node's metrics
-    export port, move with the requests served."""
-    handle, _, client = app
+    export port and from the API's own ``GET /metrics`` (no API key, as vLLM serves it), move
+    with the requests served."""
+    handle, url, client = app
     names = ["generation_tokens_total", "prompt_tokens_total", "time_to_first_token_seconds_count",
              "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
              "hot_buffer_lookups_total", "hot_buffer_hits_total", "host_to_device_bytes_total",
              "backups_total", "landing_bytes_total", "landing_seconds_count",
              "host_blocks_total", "request_success_total"]
+
+    def parse(text: str, out: dict[str, float]) -> dict[str, float]:
+        for line in text.splitlines():
+            if line.startswith("ray_hisparse_"):
+                name = line.split("{")[0].split(" ")[0].removeprefix("ray_hisparse_")
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
 
     def scrape() -> dict[str, float]:
         out: dict[str, float] = {}
@@ -352,14 +484,18 @@ def test_metrics_on_the_prometheus_endpoint_move(app):
                 continue
             port = node["MetricsExportPort"]
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                text = r.read().decode()
-            for line in text.splitlines():
-                if line.startswith("ray_hisparse_"):
-                    name = line.split("{")[0].split(" ")[0].removeprefix("ray_hisparse_")
-                    out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+                parse(r.read().decode(), out)
         return out
 
-    before = scrape()
+    def scrape_api() -> dict[str, float]:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            assert r.headers["content-type"].startswith("text/plain")
+            text = r.read().decode()
+        types = [line.split(" ")[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(types) == len(set(types)), "a metric family twice: invalid Prometheus text"
+        return parse(text, {})
+
+    before, before_api = scrape(), scrape_api()
     rng = random.Random(13)
     for n in (150, 10):
         client.completions.create(model=MODEL, prompt=[rng.randrange(1, 96) for _ in range(n)],
@@ -370,10 +506,14 @@ def test_metrics_on_the_prometheus_endpoint_move(app):
         moved = [n for n in names if n != "host_blocks_total"
                  and after.get(n, 0) > before.get(n, 0)]
         generated = after.get("generation_tokens_total", 0) - before.get("generation_tokens_total", 0)
-        if len(moved) == len(names) - 1 and after.get("host_blocks_total", 0) > 0 \
-                and generated >= 12:
+        after_api = scrape_api()
+        moved_api = [n for n in names if n != "host_blocks_total"
+                     and after_api.get(n, 0) > before_api.get(n, 0)]
+        if len(moved) == len(moved_api) == len(names) - 1 and generated >= 12 \
+                and after.get("host_blocks_total", 0) > 0 \
+                and after_api.get("host_blocks_total", 0) > 0:
             break
-        assert time.monotonic() < deadline, (sorted(set(names) - set(moved)), after)
+        assert time.monotonic() < deadline, (sorted(set(names) - set(moved)), after, after_api)
         time.sleep(1)
     _settled(handle)
 
