@@ -103,10 +103,17 @@ class _Sampled(_Strict):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's sampling extras, which vLLM clients send at their neutral values whatever they use:
+    # taken there, refused (400 naming them) at any other value
+    repetition_penalty: float | None = 1.0
+    min_p: float | None = 0.0
+    min_tokens: int | None = 0
 
     def check_supported(self) -> None:
         for name, ok in (("presence_penalty", not self.presence_penalty),
                          ("frequency_penalty", not self.frequency_penalty),
+                         ("repetition_penalty", self.repetition_penalty in (None, 1.0)),
+                         ("min_p", not self.min_p), ("min_tokens", not self.min_tokens),
                          ("logit_bias", not self.logit_bias)):
             if not ok:
                 raise ApiError(400, f"{name}={getattr(self, name)!r} is not supported "

@@ -44,6 +44,9 @@ def _parse(model, body) -> object:
     ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs"),
     ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"model": "m", "prompt": "x", "min_p": 0.05}, "min_p"),
+    ({"model": "m", "prompt": "x", "min_tokens": 3}, "min_tokens"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": "m", "prompt": "x", "bogus": 1}, "bogus"),
     ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
@@ -118,7 +121,8 @@ def test_null_parameters_mean_not_given():
     for what they leave unset; those are the defaults, not type errors."""
     nulls = {k: None for k in ("n", "stream", "echo", "ignore_eos", "best_of", "suffix",
                                "logprobs", "max_tokens", "temperature", "stop", "seed", "user",
-                               "presence_penalty", "frequency_penalty", "logit_bias", "top_p")}
+                               "presence_penalty", "frequency_penalty", "logit_bias", "top_p",
+                               "repetition_penalty", "min_p", "min_tokens")}
     req = _parse(CompletionRequest, {"model": "m", "prompt": "x", **nulls})
     assert (req.n, req.stream, req.echo, req.ignore_eos) == (1, False, False, False)
     assert req.engine_args(req.max_tokens)["temperature"] == 1.0
@@ -243,3 +247,16 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400():
     tok.template = "{% for m in messages %}"
     with pytest.raises(TemplateSyntaxError):
         chat_ids(tok, ok)
+
+
+def test_vllm_sampling_extras_at_their_neutral_values_are_taken():
+    """vLLM clients send ``repetition_penalty: 1.0``, ``min_p: 0``, ``min_tokens: 0`` (the
+    defaults of its SamplingParams) on every request; those change nothing and are taken, on
+    both endpoints, instead of a 400 'unknown parameter'."""
+    extras = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
+    req = _parse(CompletionRequest, {"model": "m", "prompt": "x", "temperature": 0, **extras})
+    req.check_supported()
+    assert req.engine_args(4)["temperature"] == 0.0
+    chat = _parse(ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                **extras})
+    chat.check_supported()
