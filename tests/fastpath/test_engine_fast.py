@@ -19,7 +19,7 @@ from hisparse_ray.errors import CapacityError, InvalidRequestError
 from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.model.config import tiny_config
 from hisparse_ray.model.model import build_random_model, build_tiny_model
-from hisparse_ray.types import LandingTarget, RequestState
+from hisparse_ray.types import LandingTarget, RequestState, SamplingParams
 
 H = 16  # the engine's default hot buffer (top-k 8, page 8)
 ONE = FastPathConfig(max_context=256, buckets=(4,))
@@ -77,6 +77,32 @@ def test_one_bucket_equals_full_resident_through_spills(dense, kv):
     assert hs[2].spills > 0 and hs[3]["hot_misses"] > 0 and hs[3]["hot_hits"] > 0
     assert base[3]["hot_misses"] == 0 and base[2].spills == 0
     assert set(hs[4]) != {4}  # the real batch size varied (padded rows in the one bucket)
+
+
+def test_sampled_and_greedy_rows_in_one_batch_equal_full_resident(dense):
+    """Rows sampling with a temperature read their logits back to the host sampler, greedy rows
+    take the device's argmax, in the same fast step: with spills and hot-buffer misses HiSparse
+    samples the very tokens full-resident does (same seeds, bit-equal logits in one bucket), and
+    a seed replays its answer."""
+    prompts = prompts_of([8 * H + 5, 40, 9 * H, 3], dense.cfg.vocab_size, seed=5)
+    params = [SamplingParams(temperature=0.8, seed=7, top_p=0.9, top_k=5), None,
+              SamplingParams(temperature=1.3, seed=11), SamplingParams(temperature=0.5, seed=3)]
+
+    def sampled(cfg):
+        with Engine(dense, cfg) as eng:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                eng.add_request(f"r{i}", p, 12, sampling=sp)
+            out = eng.run()
+            spills = eng.core.counters.spills
+        return out, spills
+
+    base, _ = sampled(fast_cfg(ONE, full_resident=True))
+    hs, spills = sampled(fast_cfg(ONE, num_device_blocks=12))
+    assert hs == base and spills > 0
+    assert sampled(fast_cfg(ONE, num_device_blocks=12))[0] == hs  # the seeds replay
+    greedy = run(dense, prompts[1:2], 12, fast_cfg(ONE, full_resident=True))[0]["r0"]
+    assert hs["r1"] == greedy  # the greedy row is untouched by its sampling neighbours
+    assert hs["r0"] != run(dense, prompts[:1], 12, fast_cfg(ONE, full_resident=True))[0]["r0"]
 
 
 def test_buckets_follow_the_batch_and_stay_exact(dense):
