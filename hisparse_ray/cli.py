@@ -368,9 +368,14 @@ _METAVARS = {"int": "N", "float": "X", "float?": "X", "str": "NAME", "dict?": "J
              "config": "JSON"}
 
 
+# SGLang's spelling of the same option (its HiSparse guide's launch lines), taken as well
+_SGLANG_FLAGS = {"config": ("--hisparse-config",), "model": ("--model-path",), "tp": ("--tp-size",)}
+
+
 def _deployment_args(p: argparse.ArgumentParser, command: str) -> None:
     """One flag per deployment option of the command's groups (``DeployOptions``: its help, its
-    default; values are parsed and checked by ``DeployOptions.from_dict``)."""
+    default; values are parsed and checked by ``DeployOptions.from_dict``), and SGLang's name
+    for it where it has one (``--hisparse-config``, ``--model-path``, ``--tp-size``)."""
     groups = {g: p.add_argument_group(_TITLES[g] + " options") for g in CLI_GROUPS[command]}
     for f in fields(DeployOptions):
         meta = f.metadata
@@ -378,7 +383,7 @@ def _deployment_args(p: argparse.ArgumentParser, command: str) -> None:
             continue
         shown = "" if f.default is MISSING or f.default is None else f" (default {f.default})"
         groups[meta["group"]].add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, default=None,
+            "--" + f.name.replace("_", "-"), *_SGLANG_FLAGS.get(f.name, ()), dest=f.name, default=None,
             choices=meta["choices"] or None, metavar=None if meta["choices"] else
             _METAVARS[meta["kind"]], help=meta["help"] + shown)
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
@@ -412,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--app-name", default="hisparse", help="the Serve application's name")
     v.set_defaults(func=_cmd_serve)
     s = sub.add_parser("smoke", help="start a local Ray cluster and print the config")
-    s.add_argument("--config", help="HiSparse config JSON (SGLang --hisparse-config keys)")
+    s.add_argument("--config", "--hisparse-config", dest="config",
+                   help="HiSparse config JSON (SGLang --hisparse-config keys)")
     s.add_argument("--num-cpus", type=int, default=2)
     s.add_argument("--address", default=None, help="attach to this Ray cluster")
     s.set_defaults(func=_cmd_smoke)

@@ -23,6 +23,21 @@ def test_parser_demo_defaults_and_generate_arguments():
     assert replica.tp_size == 1 and replica.gpus_per_rank == 0 and prefill.gpus == 0
 
 
+def test_sglang_spellings_of_the_config_model_and_tp_flags_are_taken(tmp_path):
+    """A launch line written from SGLang's HiSparse guide (``--hisparse-config``, ``--model-path``,
+    ``--tp-size``) means what ours does, on every command that has the option."""
+    p = cli.build_parser()
+    cfg = '{"top_k": 8, "device_buffer_size": 24, "host_to_device_ratio": 10}'
+    for cmd in ("generate", "serve", "demo"):
+        a = p.parse_args([cmd, "--hisparse-config", cfg, "--model-path", "glm_moe_dsa",
+                          "--tp-size", "1"])
+        ours = p.parse_args([cmd, "--config", cfg, "--model", "glm_moe_dsa", "--tp", "1"])
+        assert vars(a) == vars(ours)
+        replica, _ = cli.options(a).specs()
+        assert replica.tp_size == 1 and replica.hisparse.device_buffer_size == 24
+    assert p.parse_args(["smoke", "--hisparse-config", cfg]).config == cfg
+
+
 def test_main_reports_a_bad_config_in_one_line(capsys):
     bad = json.dumps({**HiSparseConfig.tiny().to_dict(), "top_k": 64})  # top_k > H
     assert cli.main(["generate", "--config", bad, "--ids", "1,2"]) == 2
