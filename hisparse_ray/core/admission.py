@@ -17,7 +17,8 @@ from hisparse_ray.core.prefix_index import chain_keys
 from hisparse_ray.core.request import Page, Request
 from hisparse_ray.core.reservations import Room, life_pages, resident_backing
 from hisparse_ray.core.residency import Residency
-from hisparse_ray.errors import InvalidRequestError
+from hisparse_ray.config import CoordinatorConfig
+from hisparse_ray.errors import CapacityError, InvalidRequestError
 from hisparse_ray.types import (
     NO_BLOCK, Admission, HostBlockId, LandingPage, LandingTarget, RequestState,
 )
@@ -40,6 +41,26 @@ def validate_request(rid: object, prompt: Sequence[int], max_new: object, eos: o
     if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int)):
         raise InvalidRequestError(rid, f"eos_token_id={eos!r} must be an int or None")
     return tokens
+
+
+def pools_that_fit(cfg: CoordinatorConfig, rid: object, prompt_len: int,
+                   max_new: int) -> tuple[bool, bool]:
+    """``(resident_ever, host_ever)``: whether the request's whole life fits the empty device
+    pool, and the empty host tier; CapacityError naming its size and the pools when neither."""
+    life = cfg.pages_for(prompt_len + max_new - 1)
+    resident_ever = life <= cfg.num_device_blocks
+    host_ever = cfg.host_tier and life <= cfg.num_host_blocks
+    if resident_ever or host_ever:
+        return resident_ever, host_ever
+    size = (f"request {rid!r} ({prompt_len} prompt + {max_new} new tokens = {life} pages of "
+            f"{cfg.page_size} positions)")
+    if not cfg.host_tier:  # a full-resident budget: the device pool is the only pool
+        raise CapacityError(f"{size} does not fit the device pool ({cfg.num_device_blocks} "
+                            f"blocks, no host tier); pages", life, cfg.num_device_blocks)
+    raise CapacityError(
+        f"{size} fits neither the device pool ({cfg.num_device_blocks} blocks) nor the host pool "
+        f"({cfg.num_host_blocks} blocks); pages", life,
+        max(cfg.num_device_blocks, cfg.num_host_blocks))
 
 
 def match_prefix(res: Residency, req: Request) -> list[HostBlockId]:

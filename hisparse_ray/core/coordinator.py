@@ -34,13 +34,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from hisparse_ray.config import CoordinatorConfig
-from hisparse_ray.core.admission import MAX_TOKEN, fit, land, match_prefix, validate_request
+from hisparse_ray.core.admission import (
+    MAX_TOKEN, fit, land, match_prefix, pools_that_fit, validate_request,
+)
 from hisparse_ray.core.invariants import check_coordinator
 from hisparse_ray.core.request import Conversion, Page, Request, TransferOp
 from hisparse_ray.core.reservations import Room, life_pages, resident_backing, room
 from hisparse_ray.core.residency import Residency
 from hisparse_ray.errors import (
-    CapacityError, DoubleFreeError, DuplicateRequestError, InvalidRequestError, StateError,
+    DoubleFreeError, DuplicateRequestError, InvalidRequestError, StateError,
     UnknownRankError, UnknownRequestError, UnknownTransferError,
 )
 from hisparse_ray.types import (
@@ -94,20 +96,8 @@ class Coordinator:
         if request_id in self._requests:
             raise DuplicateRequestError(request_id)
         tokens = validate_request(request_id, prompt_tokens, max_new_tokens, eos_token_id)
-        cfg = self.config
-        life = cfg.pages_for(len(tokens) + max_new_tokens - 1)
-        resident_ever = life <= cfg.num_device_blocks
-        host_ever = cfg.host_tier and life <= cfg.num_host_blocks
-        if not (resident_ever or host_ever):
-            size = (f"request {request_id!r} ({len(tokens)} prompt + {max_new_tokens} new tokens = "
-                    f"{life} pages of {cfg.page_size} positions)")
-            if not cfg.host_tier:  # a full-resident budget: the device pool is the only pool
-                raise CapacityError(f"{size} does not fit the device pool ({cfg.num_device_blocks} "
-                                    f"blocks, no host tier); pages", life, cfg.num_device_blocks)
-            raise CapacityError(
-                f"{size} fits neither the device pool ({cfg.num_device_blocks} blocks) nor the "
-                f"host pool ({cfg.num_host_blocks} blocks); pages", life,
-                max(cfg.num_device_blocks, cfg.num_host_blocks))
+        resident_ever, host_ever = pools_that_fit(self.config, request_id, len(tokens),
+                                                  max_new_tokens)
         req = Request(RequestId(request_id), tokens, len(tokens), max_new_tokens, eos_token_id,
                       LandingTarget.RESIDENT, LandingTarget.RESIDENT)
         req.written = len(tokens) - 1
