@@ -427,16 +427,15 @@ def merge_prometheus(texts: list[str], prefix: str) -> str:
             if line.startswith("# ") and len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
                 family = parts[2] if parts[2].startswith(prefix) else None
                 if family is not None:
-                    families.setdefault(family, {"samples": []}).setdefault(parts[1], line)
+                    families.setdefault(family, {"samples": {}}).setdefault(parts[1], line)
             elif line.startswith(prefix):
                 name = line.split("{", 1)[0].split(" ", 1)[0]
                 key = family if family is not None and name.startswith(family) else name
-                samples = families.setdefault(key, {"samples": []})["samples"]
-                if line not in samples:
-                    samples.append(line)
+                # an ordered set: a sample two exports both carry is written once
+                families.setdefault(key, {"samples": {}})["samples"].setdefault(line)
     out = []
     for fam in families.values():
-        out += [fam[k] for k in ("HELP", "TYPE") if k in fam] + fam["samples"]
+        out += [fam[k] for k in ("HELP", "TYPE") if k in fam] + list(fam["samples"])
     return "".join(line + "\n" for line in out)
 
 
