@@ -294,7 +294,7 @@ def _split_launch(scores: Tensor, lens: tuple, out: Tensor, kk: int, K: int, chu
     [B, S, 2]`` int32, ``STATE [4, B, 4]`` int64."""
     B, N = scores.shape
     S = triton.cdiv(N, chunk)
-    n_hist, n_cnt = 4 * B * 256, triton.cdiv(B * S * 2, 2) * 2  # (STATE 8-byte aligned)
+    n_hist, n_cnt = 4 * B * 256, B * S * 2  # both even: STATE starts 8-byte aligned
     ws = torch.zeros(n_hist + n_cnt + 4 * B * 4 * 2, dtype=torch.int32, device=scores.device)
     hist, cnt = ws[:n_hist], ws[n_hist:n_hist + n_cnt]
     state = ws[n_hist + n_cnt:].view(torch.int64)
