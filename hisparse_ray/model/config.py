@@ -162,13 +162,13 @@ _REQUIRED = object()
 # transformers 5.23.0's defaults (DeepseekV32Config / GlmMoeDsaConfig fields) for the keys a
 # config.json may leave out; the shape keys (vocab, hidden, heads, ranks, experts) stay required:
 # HF's defaults there are the full-size model's, never what a smaller folder's weights hold.
+_HF_SHARED_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                           first_k_dense_replace=3, attention_bias=False, tie_word_embeddings=False)
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "deepseek_v32": dict(n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
-                         norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=163840,
-                         first_k_dense_replace=3, attention_bias=False, tie_word_embeddings=False),
-    "glm_moe_dsa": dict(n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
-                        norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=202752,
-                        first_k_dense_replace=3, attention_bias=False, tie_word_embeddings=False),
+    "deepseek_v32": dict(_HF_SHARED_DEFAULTS, n_group=8, topk_group=4, rms_norm_eps=1e-6,
+                         max_position_embeddings=163840),
+    "glm_moe_dsa": dict(_HF_SHARED_DEFAULTS, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+                        max_position_embeddings=202752),
 }
 
 
