@@ -200,7 +200,7 @@ class Setup:
     step for up to ``B`` rows (buckets 1, 4, B)."""
 
     def __init__(self, model, mode: str, rows: KVRowCodec, B: int, ctx: int, d: Dims,
-                 host_bytes: torch.Tensor | None, device) -> None:
+                 host_bytes: torch.Tensor | None, device, overlap_resolve: bool = True) -> None:
         cfg = model.cfg
         self.model, self.mode, self.B, self.ctx, self.d, self.device = model, mode, B, ctx, d, device
         life = ctx + d.warm + d.steps + 1
@@ -222,7 +222,7 @@ class Setup:
                                   backend="auto", spare_rows=spare)
         fast = FastPathConfig(max_context=life, buckets=tuple(sorted({1, min(4, B), B})),
                               index_key_dtype="fp8", cuda_graphs=True,
-                              compile_glue=_compile_glue(device))
+                              compile_glue=_compile_glue(device), overlap_resolve=overlap_resolve)
         self.ex = FastExecutor(model, self.rt, rows, fast, block_threads=1024)
         self._fill(rows, pages, host_rows)
         self.rids = [RequestId(f"q{b}") for b in range(B)]

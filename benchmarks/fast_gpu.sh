@@ -19,6 +19,10 @@
 #                                          # same step profiled with the Triton kernels on, glue
 #                                          # eager vs compiled (HISPARSE_COMPILE_GLUE=1:
 #                                          # FastPathConfig.compile_glue in the benchmark stack)
+#   bash benchmarks/fast_gpu.sh overlap    # < 9.5 min: the fast path's gpu tests (the resolver on a
+#                                          # side stream under random delays among them), TPOT with
+#                                          # overlap_resolve off / on (bench_overlap.py, 32K + 128K),
+#                                          # and the batch-1 32K step profiled with everything on
 #   bash benchmarks/fast_gpu.sh final      # < 6.5 min: fast-path + exactness gpu tests, 32K + 128K
 #                                          # capacity (few steps) and a 16K prefill, time-boxed each
 # Carry .device-wheels/kernels (sglang-kernel 0.4.6, sgl-deep-gemm, apache-tvm-ffi).
@@ -99,6 +103,19 @@ case "${1:-check}" in
     echo "pytest rc=$?"
     grep -E "(PASSED|FAILED|ERROR)|compiled glue|passed|failed" "$OUT/glue_tests.log" | tail -10
     for flags in "1 1 0" "1 1 1"; do profile $flags; done
+    ;;
+  overlap)
+    timeout 170 python3 -m pytest -v -p no:cacheprovider -rA -s tests/fastpath/test_fast_gpu.py \
+      tests/fastpath/test_topk.py -m gpu -k "not real_dims" > "$OUT/overlap_tests.log" 2>&1
+    echo "pytest rc=$?"
+    grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$OUT/overlap_tests.log" | tail -20
+    timeout 230 python3 benchmarks/bench_overlap.py --out "$OUT" > "$OUT/bench_overlap.log" 2>&1
+    echo "bench_overlap rc=$?"
+    grep -v -E "^\[" "$OUT/bench_overlap.log" | tail -24
+    timeout 150 python3 benchmarks/profile_step.py --context 32768 --modes hisparse full \
+      --out "$OUT/profile" > "$OUT/profile_step.log" 2>&1
+    echo "profile rc=$?"
+    grep -v -E "^USDT|profiler_st" "$OUT/profile_step.log" | tail -40
     ;;
   final)
     timeout 110 python3 -m pytest -v -p no:cacheprovider -rA tests/fastpath/test_fast_gpu.py \

@@ -78,6 +78,7 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "cuda_graphs": [1],
         "index_pages": [0, True],
         "compile_glue": [1, "yes"],
+        "overlap_resolve": [0, "on", None],
     }),
     SamplingParams: ({}, {
         "temperature": ["0.7", True, -0.1, NAN, INF, None],

@@ -49,6 +49,10 @@ class FastPathConfig:
         projections, rope, casts, the dense MLP; :mod:`hisparse_ray.fastpath.glue`): fused
         kernels instead of ~150 small launches a layer. Compiles during a bucket's first step
         (one graph per function for every layer; seconds to minutes once per process).
+    overlap_resolve: on CUDA, run each layer's resolver (or its replay) on a side stream while
+        the main stream computes the absorbed query (``q_b_proj`` + ``W_uk``), joining before
+        attention: the miss copies hide behind the layer's largest GEMM. The same kernels on
+        the same inputs: results are bit-identical either way. No effect on CPU.
     """
 
     max_context: int = 4096
@@ -59,6 +63,7 @@ class FastPathConfig:
     cuda_graphs: bool = True
     index_pages: int | None = None
     compile_glue: bool = False
+    overlap_resolve: bool = True
 
     def __post_init__(self) -> None:
         _pos_int("max_context", self.max_context)
@@ -85,6 +90,8 @@ class FastPathConfig:
                                   f"positions ({self.index_pages_per_request} pages of {INDEX_PAGE})")
         if not isinstance(self.compile_glue, bool):
             raise ConfigError("compile_glue", self.compile_glue, "must be a bool")
+        if not isinstance(self.overlap_resolve, bool):
+            raise ConfigError("overlap_resolve", self.overlap_resolve, "must be a bool")
 
     @property
     def max_batch(self) -> int:

@@ -1,5 +1,5 @@
 """The fast step's per-layer glue (ring 2): the pure-torch work between the library kernels, as
-four functions the step calls for every layer, optionally ``torch.compile``\\ d.
+five functions the step calls for every layer, optionally ``torch.compile``\\ d.
 
 Between FlashMLA, DeepGEMM and the resolver a decoder layer runs ~150 small eager kernels at
 batch 1 (norms, projections' reshapes, rope, concatenations, casts, the MLP's activation): each a
@@ -27,12 +27,18 @@ from torch import Tensor
 from hisparse_ray.fastpath.moe import ROWS
 
 
-def pre_attention(layer, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``h [B, hidden]`` -> ``(x, q_full, q_resid, row)``: the input norm and MLA's projections
-    (``MLAAttention.project``)."""
+def pre_index(layer, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``h [B, hidden]`` -> ``(x, q_resid, row)``: the input norm, MLA's ``q_a`` projection (the
+    indexer's query input) and the newest latent KV row: all the resolver's inputs need."""
     x = layer.input_layernorm(h)
-    q_full, q_resid, row = layer.self_attn.project(x, cos, sin)
-    return x, q_full, q_resid, row
+    attn = layer.self_attn
+    return x, attn.q_lora(x), attn.latent_row(x, cos, sin)
+
+
+def query(attn, q_resid: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``q_resid`` -> the absorbed query ``q_full [B, heads, R + rope]``
+    (``MLAAttention.absorbed_query``): the work the step runs while the resolver runs."""
+    return attn.absorbed_query(q_resid, cos, sin)
 
 
 def index_inputs(indexer, x: Tensor, q_resid: Tensor, cos: Tensor,
@@ -58,9 +64,10 @@ def head(model, h: Tensor) -> tuple[Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class Glue:
-    """The four functions, compiled or not (``Glue.build``)."""
+    """The five functions, compiled or not (``Glue.build``)."""
 
-    pre_attention: Callable
+    pre_index: Callable
+    query: Callable
     index_inputs: Callable
     post_attention: Callable
     head: Callable
@@ -68,7 +75,7 @@ class Glue:
 
     @classmethod
     def build(cls, compiled: bool) -> "Glue":
-        fns = (pre_attention, index_inputs, post_attention, head)
+        fns = (pre_index, query, index_inputs, post_attention, head)
         if compiled:
             fns = tuple(torch.compile(f, dynamic=True) for f in fns)
         return cls(*fns, compiled=compiled)

@@ -23,6 +23,7 @@ DeepGEMM's masked grouped GEMMs, or every expert masked), so they are captured t
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,10 @@ class FastDecodeStep:
         self._generation = keys.generation
         self.use_graphs = dev.type == "cuda" and cfg.cuda_graphs and self._capturable()
         self.capture_error: str | None = None
+        # the resolver's stream when it overlaps the absorbed query (FastPathConfig.overlap_resolve)
+        self.side = (torch.cuda.Stream(dev) if dev.type == "cuda" and cfg.overlap_resolve else None)
+        self.side_delay: Callable[[], int] | None = None  # tests: GPU cycles to sleep on the side
+        # stream before each resolve (random schedules; a graph keeps those of its capture)
         if self.logits_kind == "deepgemm":
             deepgemm.warm_up(dev, m.index_n_heads, m.index_head_dim)
 
@@ -166,12 +171,13 @@ class FastDecodeStep:
         sched = deepgemm.schedule(seq) if self.logits_kind == "deepgemm" else None
         glue = self.glue
         h = model.model.embed_tokens(ids)
+        main = torch.cuda.current_stream(self.device) if self.side is not None else None
         for l, layer in enumerate(model.model.layers):
             attn = layer.self_attn
-            x, q_full, q_resid, row = glue.pre_attention(layer, h, cos, sin)
+            x, q_resid, row = glue.pre_index(layer, h, cos, sin)
             rt.device_kv[l][write] = codec.encode(row)
             a = rt.anchor_of[l]
-            out_rows, plan = self.out_rows[a][:B], self.plan[a][:B]
+            out_rows = self.out_rows[a][:B]
             if a == l:
                 ix = attn.indexer
                 i = self.keys.slot[l]
@@ -182,14 +188,17 @@ class FastDecodeStep:
                 select_topk_positions(logits, self.K, lengths=seq, out=topk)
                 if self.topk_override is not None:  # timed above, then replaced by the trace
                     topk.copy_(torch.where(valid[:, None], self.topk_override[l][:B], -1))
-                kernels.resolve(
-                    top_k=topk, seq_lens=seq, state_idx=state, slot_pos=rt.slot_pos[l], lru=rt.lru[l],
-                    slot_rows=slot_rows, resident_table=resident, host_table=host,
-                    host_kv=rt.host_layers[l], device_kv=rt.device_kv[l], out_rows=out_rows, plan=plan,
-                    page_size=self.page, block_threads=self.block_threads, backend=rt.backend)
+            if main is not None:  # fork: the resolver beside the absorbed query
+                self.side.wait_stream(main)
+                with torch.cuda.stream(self.side):
+                    if self.side_delay is not None:  # tests: a late resolver is still waited for
+                        torch.cuda._sleep(self.side_delay())
+                    self._resolve(l, a, B, seq, state, slot_rows, resident, host)
+                q_full = glue.query(attn, q_resid, cos, sin)
+                main.wait_stream(self.side)  # join: attention reads the resolved rows
             else:
-                kernels.replay(plan=plan, host_kv=rt.host_layers[l], device_kv=rt.device_kv[l],
-                               backend=rt.backend)
+                self._resolve(l, a, B, seq, state, slot_rows, resident, host)
+                q_full = glue.query(attn, q_resid, cos, sin)
             if self.attention == "flashmla":
                 out = attend_flashmla(attn, q_full, rt.device_kv[l], out_rows, valid, codec, meta)
             else:
@@ -203,6 +212,22 @@ class FastDecodeStep:
         self.logits[:B].copy_(logits)
         self.tokens[:B].copy_(tokens)
         self._count(B, seq, resident)
+
+    def _resolve(self, l: int, a: int, B: int, seq: Tensor, state: Tensor, slot_rows: Tensor,
+                 resident: Tensor, host: Tensor) -> None:
+        """Layer ``l``'s rows on the current stream: the resolver on an anchor layer (its top-k
+        is ``topk_all``'s), else the replay of anchor ``a``'s plan."""
+        rt = self.rt
+        if a == l:
+            kernels.resolve(
+                top_k=self.topk_all[self.slot_of[l], :B], seq_lens=seq, state_idx=state,
+                slot_pos=rt.slot_pos[l], lru=rt.lru[l], slot_rows=slot_rows, resident_table=resident,
+                host_table=host, host_kv=rt.host_layers[l], device_kv=rt.device_kv[l],
+                out_rows=self.out_rows[a][:B], plan=self.plan[a][:B], page_size=self.page,
+                block_threads=self.block_threads, backend=rt.backend)
+        else:
+            kernels.replay(plan=self.plan[a][:B], host_kv=rt.host_layers[l], device_kv=rt.device_kv[l],
+                           backend=rt.backend)
 
     def _count(self, B: int, seq: Tensor, resident: Tensor) -> None:
         """Hot-buffer hits and misses per row, over every anchor layer, for rows past the short

@@ -80,18 +80,35 @@ class MLAAttention(nn.Module):
     # -- shared pieces ---------------------------------------------------------------------------
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x [N, hidden]`` -> ``(q_full [N, heads, R + rope], q_resid [N, q_lora], row [N, row_dim])``.
-        ``q_full`` is the absorbed query; ``row`` the latent KV row (post-norm, post-rope)."""
+        ``q_full`` is the absorbed query; ``row`` the latent KV row (post-norm, post-rope). The
+        three pieces below, in this order (the fast step runs ``absorbed_query`` beside the
+        resolver: it needs only ``q_resid``)."""
+        q_resid = self.q_lora(x)
+        q_full = self.absorbed_query(q_resid, cos, sin)
+        return q_full, q_resid, self.latent_row(x, cos, sin)
+
+    def q_lora(self, x: Tensor) -> Tensor:
+        """``x [N, hidden]`` -> ``q_resid [N, q_lora]`` (``q_a_proj`` + its norm; the indexer's
+        query input too)."""
+        return self.q_a_layernorm(self.q_a_proj(x))
+
+    def absorbed_query(self, q_resid: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``q_resid [N, q_lora]`` -> ``q_full [N, heads, R + rope]``: ``q_b_proj``, rope on the
+        rope part, the nope part absorbed into the latent space by ``W_uk``."""
         cfg = self.cfg
-        N = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        N = q_resid.shape[0]
         q = self.q_b_proj(q_resid).view(N, self.heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_rope = rotate_interleaved(q_rope, cos[:, None], sin[:, None])
         w = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w[:, : cfg.qk_nope_head_dim])
+        return torch.cat([q_lat, q_rope], dim=-1)
+
+    def latent_row(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``x [N, hidden]`` -> the latent KV row ``[N, kv_lora + rope]`` (post-norm, post-rope)."""
+        cfg = self.cfg
         c, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        row = torch.cat([self.kv_a_layernorm(c), rotate_interleaved(k_rope, cos, sin)], dim=-1)
-        return torch.cat([q_lat, q_rope], dim=-1), q_resid, row
+        return torch.cat([self.kv_a_layernorm(c), rotate_interleaved(k_rope, cos, sin)], dim=-1)
 
     def attend(self, q_full: Tensor, rows: Tensor, allowed: Tensor) -> Tensor:
         """``q_full [B, Q, heads, R + rope]``, ``rows [B, S, row_dim]``, ``allowed [B, Q, S]`` bool (each
