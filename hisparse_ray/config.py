@@ -268,6 +268,11 @@ class CoordinatorConfig:
         lands resident with device blocks for its whole life leased at admission (so a running
         request never stalls for a page), waits while they do not fit, and is never converted
         to the host tier.
+    publish_decoded: whether a page holding a row a decode step wrote (positions from the
+        prompt's last on) may be published for prefix reuse. Only where decode writes bitwise the
+        row a prefill of the same tokens computes (the reference path); the fast step does not
+        (other kernels and batch shapes), and a follow-up reusing its rows would decode from
+        other KV than full-resident's fresh prefill. False: only prefill-written pages are reused.
     """
 
     num_device_blocks: int
@@ -279,6 +284,7 @@ class CoordinatorConfig:
     page_bytes: int = 0
     row_bytes: int = 0
     host_tier: bool = True
+    publish_decoded: bool = True
 
     def __post_init__(self) -> None:
         for key in ("num_device_blocks", "num_host_blocks", "page_size", "device_buffer_size",
@@ -286,8 +292,9 @@ class CoordinatorConfig:
             _pos_int(key, getattr(self, key))
         _pos_int("page_bytes", self.page_bytes, lo=0)
         _pos_int("row_bytes", self.row_bytes, lo=0)
-        if not isinstance(self.host_tier, bool):
-            raise ConfigError("host_tier", self.host_tier, "must be True or False")
+        for key in ("host_tier", "publish_decoded"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, getattr(self, key), "must be True or False")
         if self.hot_blocks_per_request > self.num_device_blocks:
             raise ConfigError(
                 "num_device_blocks", self.num_device_blocks,
@@ -305,7 +312,8 @@ class CoordinatorConfig:
 
     @classmethod
     def from_hisparse(cls, cfg: HiSparseConfig, layout: KVLayout, num_device_blocks: int,
-                      tp_size: int = 1, max_batch: int = 256) -> "CoordinatorConfig":
+                      tp_size: int = 1, max_batch: int = 256,
+                      publish_decoded: bool = True) -> "CoordinatorConfig":
         """Host capacity is ``cfg.host_pool_gib`` rounded down to whole host blocks."""
         num_host = layout.host_blocks(cfg.host_pool_gib)
         if num_host < 1:
@@ -315,7 +323,7 @@ class CoordinatorConfig:
             num_device_blocks=num_device_blocks, num_host_blocks=num_host,
             page_size=layout.page_size, device_buffer_size=cfg.device_buffer_size,
             tp_size=tp_size, max_batch=max_batch, page_bytes=layout.block_bytes,
-            row_bytes=layout.bytes_per_token,
+            row_bytes=layout.bytes_per_token, publish_decoded=publish_decoded,
         )
 
 

@@ -440,7 +440,8 @@ class ReplicaSpec:
         """The pool sizing of this replica's coordinator core (ConfigError if the device pool
         cannot hold one hot buffer or the host pool one host block)."""
         return CoordinatorConfig.from_hisparse(self.hisparse, self.layout, self.num_device_blocks,
-                                               tp_size=self.tp_size, max_batch=self.max_batch)
+                                               tp_size=self.tp_size, max_batch=self.max_batch,
+                                               publish_decoded=self.fast_path is None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,7 +164,8 @@ class Engine:
             num_device_blocks=num_device, num_host_blocks=num_host, page_size=c.page_size,
             device_buffer_size=c.hisparse.device_buffer_size, max_batch=c.max_batch,
             page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token,
-            host_tier=not (c.full_resident and c.device_pool_gib is not None)))
+            host_tier=not (c.full_resident and c.device_pool_gib is not None),
+            publish_decoded=c.fast_path is None))
         self.pool = HostPool.create(f"engine{os.getpid()}-{next(_ids)}", self.layout, num_host)
         self.pool.unlink()  # private: nothing attaches, so no exit path leaves the segment behind
         try:

@@ -55,6 +55,7 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "page_bytes": [True, -1],
         "row_bytes": [True, -1],
         "host_tier": [1, None],
+        "publish_decoded": [0, "yes"],
     }),
     EngineConfig: ({}, {
         "hisparse": [None, {"top_k": 8}],

@@ -138,6 +138,32 @@ def test_backup_page_is_published_only_after_every_rank_completed():
     assert c.counters.backups == 2
 
 
+@pytest.mark.parametrize("publish_decoded", [True, False])
+@pytest.mark.parametrize("spill", [False, True])
+def test_publish_decoded_off_publishes_only_pages_the_prefill_wrote(publish_decoded, spill):
+    """``publish_decoded=False`` (the fast step: its decode rows are not bitwise a prefill's): a
+    page holding a decode-written row is never published, whether backups (host tier) or a spill
+    filled its host copy, so a follow-up reuses only the prompt's prefill pages."""
+    c = make(dev=3 if spill else 1, host=16, ps=2, H=1, publish_decoded=publish_decoded)
+    c.admit("a", [3, 4, 5, 6], 5)  # positions 0..2 landed: page 0 by the prefill, page 1 half
+    c.apply_landed("a")
+    for _ in range(3):
+        step(c, sample=9)  # positions 3..5 decoded: pages 1 and 2 full
+    if spill:  # resident so far: a waiting admission converts it
+        assert c.view("a").tier is T.RESIDENT
+        assert c.admit("b", [7] * 5, 1) is None and c.counters.conversions_to_host == 1
+        step(c)
+        assert c.view("a").tier is T.HOST and c.counters.spills == 3
+    assert c.counters.published_pages == (3 if publish_decoded else 1)
+    for rid in c.request_ids():
+        if c.view(rid).state not in (S.FINISHED, S.RELEASED):
+            c.finish(rid)
+    step(c)
+    follow = c.admit("c", [3, 4, 5, 6, 9, 9, 9, 1], 1)  # a's prompt, its answer, a new turn
+    assert [p.reused for p in follow.pages][:3] == [True, publish_decoded, publish_decoded]
+    c.check_invariants()
+
+
 # -- steps and commands --------------------------------------------------------------------------
 def test_one_command_for_every_rank_with_full_tables_first_then_diffs():
     c = make(dev=8, tp=3)

@@ -265,3 +265,36 @@ def test_device_hit_counts_follow_the_runtime_definition(dense):
             eng.add_request(f"r{i}", p, 12)
         eng.run()
     assert len(checked) >= 12 and sum(checked) > 0
+
+
+@pytest.mark.parametrize("page", [1, 8])
+def test_a_follow_up_reuses_only_pages_the_prefill_wrote(dense, page):
+    """A multi-turn follow-up (the first request's prompt, part of its answer, a new turn) after
+    the first ran on the host tier. The fast step's decode rows are not bitwise what a prefill of
+    the same tokens computes (other kernels, batch shapes), so a follow-up that reused the pages
+    they fill decoded from other KV than full-resident's fresh prefill (was: 4 of 8 steps'
+    logits differed at page 8, every step's at page 1; tokens happened to agree). Only pages
+    whose every row a prefill wrote are reused now: the first prompt's positions 0..P-2."""
+    (a,) = prompts_of([40], dense.cfg.vocab_size, seed=31)
+    fast = FastPathConfig(max_context=128, buckets=(2,))
+
+    def follow_up(cfg):
+        logits = {}
+        with Engine(dense, cfg) as eng:
+            eng.worker.on_logits = lambda rows, out: logits.update(
+                {(r.request_id, r.seq_len): out[i].clone() for i, r in enumerate(rows)})
+            eng.add_request("a", a, 8)
+            first = eng.run()["a"]
+            eng.add_request("b", a + first[:3] + [5, 6, 7], 8)
+            out = eng.run()
+            eng.core.check_invariants()
+            return out, logits, eng.core.counters
+
+    hot = -(-(H + 1) // page)  # a device pool of one hot buffer: "a" lands on the host tier
+    hs = follow_up(fast_cfg(fast, page_size=page, num_device_blocks=hot))
+    base = follow_up(fast_cfg(fast, page_size=page, full_resident=True))
+    assert hs[0] == base[0]
+    assert hs[1].keys() == base[1].keys()
+    for k in base[1]:
+        assert torch.equal(hs[1][k], base[1][k]), k
+    assert hs[2].prefix_hit_pages == (len(a) - 1) // page and base[2].prefix_hit_pages == 0
