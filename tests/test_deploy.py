@@ -177,6 +177,9 @@ def test_fast_path_and_kv_cache_dtype_options_reach_every_spec():
     assert replica.fast_path == FastPathConfig(max_context=1024, buckets=(1, 2, 4, 8, 12),
                                                index_key_dtype="fp8")
     assert DeployOptions(fast_path="on", compile_glue="on").specs()[0].fast_path.compile_glue
+    # the fast step's decode rows are not a prefill's: its replicas publish prefill pages only
+    assert not replica.core_config.publish_decoded
+    assert DeployOptions().specs()[0].core_config.publish_decoded
     assert default_buckets(1) == (1,) and default_buckets(16) == (1, 2, 4, 8, 16)
     assert replica.kv_cache_dtype == prefill.kv_cache_dtype == "fp8"
     assert replica.layout.row_bytes == 68  # tiny: 32 e4m3 + one fp32 scale + 16 bf16 rope values
