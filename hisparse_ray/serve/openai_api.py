@@ -2,8 +2,9 @@
 (``@serve.ingress``) in front of the HiSparse deployment (:class:`HiSparseServer`).
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every other
-path is 404 and a wrong method 405, both with OpenAI-style error bodies
+``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics`` (Prometheus text), each also
+with a trailing slash (clients whose base URL ends in ``/`` ask for ``/v1/models/``). Every
+other path is 404 and a wrong method 405, both with OpenAI-style error bodies
 (``{"error": {"message", "type", "param", "code"}}``).
 
 Per request, in this order, each step before any work of the next: the API key (401), the body
@@ -133,10 +134,12 @@ class OpenAIServer:
 
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
+    @app.get("/health/")
     async def health(self) -> dict:
         return {"status": "ok"}
 
     @app.get("/metrics")
+    @app.get("/metrics/")
     async def metrics(self) -> PlainTextResponse:
         """HiSparse's Prometheus metrics on the API's own port, where vLLM-style servers serve
         them (open, like ``/health``): the ``ray_hisparse_*`` families of every node's Ray
@@ -154,6 +157,11 @@ class OpenAIServer:
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str, request: Request):
+        """One model's card; ``/v1/models/`` (an empty id) is the list, a trailing slash
+        after the id is no part of it."""
+        model = model.rstrip("/")
+        if not model:
+            return await self.models(request)
         try:
             self._authorize(request)
             self._check_model(model)
@@ -167,10 +175,12 @@ class OpenAIServer:
                 + self.options.max_new_tokens_limit}
 
     @app.post("/v1/completions")
+    @app.post("/v1/completions/")
     async def completions(self, request: Request):
         return await self._serve(request, chat=False)
 
     @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions/")
     async def chat_completions(self, request: Request):
         return await self._serve(request, chat=True)
 

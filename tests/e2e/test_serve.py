@@ -419,6 +419,24 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(app):
     _settled(handle)
 
 
+def test_trailing_slashes_are_the_same_routes(app):
+    """OpenAI clients built on a base URL ending in ``/`` ask for ``/v1/models/``: every route
+    answers with or without a trailing slash (``/v1/models/`` was a 404: an empty model id)."""
+    handle, url, _ = app
+    status, body, _ = _http(url + "/v1/models/", "GET")
+    assert status == 200 and [m["id"] for m in body["data"]] == [MODEL], body
+    status, body, _ = _http(url + f"/v1/models/{MODEL}/", "GET")
+    assert status == 200 and body["id"] == MODEL, body
+    assert _http(url + "/health/", "GET", key=None)[0] == 200
+    for path, body in (("/v1/completions/", {"model": MODEL, "prompt": "ab", "max_tokens": 2}),
+                       ("/v1/chat/completions/", {"model": MODEL, "max_tokens": 2, "messages": [
+                           {"role": "user", "content": "ab"}]})):
+        status, out, _ = _http(url + path, "POST", body)
+        assert status == 200 and out["usage"]["completion_tokens"] == 2, (path, out)
+    assert _http(url + "/v1/models/", "GET", key="wrong")[0] == 401
+    _settled(handle)
+
+
 def test_a_burst_beyond_the_queue_gets_429(app):
     """24 long streams at once: those beyond max_ongoing + max_queued (6 + 10) get 429 with an
     OpenAI body, the rest stream; everything is released afterwards."""
