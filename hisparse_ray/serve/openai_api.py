@@ -223,8 +223,7 @@ class OpenAIServer:
             return _error(api, rid)
         headers = {"x-request-id": rid}
         if req.stream:
-            return StreamingResponse(answer.events(), media_type="text/event-stream",
-                                     headers=headers)
+            return _Stream(answer, headers=headers)
         try:
             body = await answer.whole()
         except BaseException as err:  # noqa: BLE001
@@ -246,6 +245,22 @@ class OpenAIServer:
                                   f"retry later", "rate_limit_error",
                              code="rate_limit_exceeded")
         return api
+
+
+class _Stream(StreamingResponse):
+    """An answer's server-sent events that cancel the answer however the response ends:
+    Starlette stops sending when the client leaves but leaves the body iterator unclosed while
+    it waits at a ``yield`` (it would decode on until garbage-collected)."""
+
+    def __init__(self, answer: "_Answer", headers: dict) -> None:
+        super().__init__(answer.events(), media_type="text/event-stream", headers=headers)
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.answer.gen.cancel()
 
 
 class _Answer:

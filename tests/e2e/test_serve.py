@@ -505,6 +505,45 @@ def test_a_stream_gets_its_status_once_admitted_before_any_token(app):
     _settled(handle)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("when", ["decoding", "waiting"])
+def test_a_client_that_leaves_before_reading_aborts_every_choice(app, stream, when):
+    """A client that sends a request of two long choices and disconnects without reading a byte
+    of the answer, while they decode or while they wait for room in the host pool (a long
+    answer of another client fills it): both choices are aborted (a few steps more, not the
+    2 x 5000 tokens asked) and every block is freed."""
+    handle, url, _ = app
+    coord = handle.coordinator.remote().result()
+    rng = random.Random(23 + stream)
+    filler = None
+    if when == "waiting":
+        filler = _post(url, {"model": MODEL, "max_tokens": LONG, "n": 2, "temperature": 0,
+                             "prompt": [rng.randrange(1, 96) for _ in range(150)],
+                             "stream": True})
+        _decoding(coord, 2)
+    conn = _post(url, {"model": MODEL, "prompt": [rng.randrange(1, 96) for _ in range(150)],
+                       "max_tokens": LONG, "n": 2, "temperature": 0, "stream": stream})
+    try:
+        if filler is None:
+            _decoding(coord, 2)
+        else:  # both submitted, neither landed: the host pool holds them back
+            end = time.monotonic() + 120
+            while len(ray.get(coord.progress.remote())) < 4:
+                assert time.monotonic() < end, "the request never reached the coordinator"
+                time.sleep(0.1)
+    finally:
+        steps = handle.metrics.remote().result()["counters"]["steps"]
+        conn.sock.close()  # gone before the status line or any byte of the body was read
+        conn.close()
+        if filler is not None:
+            time.sleep(1)  # the disconnect reaches the server while the choices still wait
+            steps = handle.metrics.remote().result()["counters"]["steps"]
+            filler.sock.close()
+            filler.close()
+    after = _settled(handle)["counters"]["steps"]
+    assert after - steps < LONG // 2, f"the choices decoded on for {after - steps} steps"
+
+
 def test_a_burst_beyond_the_queue_gets_429(app):
     """24 long streams at once: those beyond max_ongoing + max_queued (6 + 10) get 429 with an
     OpenAI body naming those limits, the rest stream; everything is released afterwards."""
