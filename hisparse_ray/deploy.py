@@ -145,7 +145,9 @@ class DeployOptions:
                                     "(HTTP 504)", "serve")
     num_replicas: int = _opt(1, "Serve replicas, each with its own prefill worker and decode "
                              "replica", "serve")
-    max_ongoing_requests: int = _opt(64, "requests one Serve replica takes at once", "serve")
+    max_ongoing_requests: int = _opt(64, "requests one Serve replica takes at once (an OpenAI "
+                                     "request counts once, all its prompts x n choices)",
+                                     "serve")
     health_check_period_s: float = _opt(10.0, "how soon Serve notices a failed replica and "
                                         "replaces it", "serve")
     decode_resources: dict | None = _opt(None, "pin the decode replica to nodes offering these "
@@ -160,7 +162,9 @@ class DeployOptions:
     max_request_bytes: int = _opt(8 << 20, "the largest HTTP request body (413 before it is "
                                   "read or tokenized)", "serve")
     max_queued_requests: int = _opt(-1, "requests queued per Serve replica beyond "
-                                    "max_ongoing_requests before HTTP 429 (-1: no limit)", "serve")
+                                    "max_ongoing_requests before HTTP 429 (-1: no limit); a "
+                                    "request with several choices is queued or refused whole",
+                                    "serve")
     deployment_config: dict | None = _opt(None, "Serve options of the HiSparse deployment, passed "
                                           "through (JSON: autoscaling_config, "
                                           "graceful_shutdown_timeout_s, ...)", "serve", kind="json?")

@@ -2,21 +2,26 @@
 (``@serve.ingress``) in front of the HiSparse deployment (:class:`HiSparseServer`).
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every other
-path is 404 and a wrong method 405, both with OpenAI-style error bodies
+``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics`` (Prometheus text), each also
+with a trailing slash (clients whose base URL ends in ``/`` ask for ``/v1/models/``). Every
+other path is 404 and a wrong method 405, both with OpenAI-style error bodies
 (``{"error": {"message", "type", "param", "code"}}``).
 
 Per request, in this order, each step before any work of the next: the API key (401), the body
 size from ``Content-Length`` and while reading (413, the body is never read past the cap), JSON
 and parameters (400 naming the parameter), the model id (404), the prompt's characters (413
 before tokenizing) and text (a lone surrogate: 400), tokenizing (off the event loop), then the
-request goes to the HiSparse deployment as token ids, one engine request per choice (a batch of
-prompts x ``n``, all at once), and their tokens come back per decode step
-(``generate_stream``): text is detokenized incrementally, stop strings end a choice early
-(its blocks are freed at once), and the answer goes out whole or as server-sent events (each
-chunk naming its choice's ``index``; the first chat delta of each carries
-``"role": "assistant"``, then ``data: [DONE]``). A client that disconnects cancels its requests
-upstream, which aborts them on the coordinator; a choice that is refused cancels the others.
+request goes to the HiSparse deployment as token ids in ONE call for all its choices (a batch
+of prompts x ``n``: ``HiSparseServer.generate_choices``), so Serve's ``max_ongoing_requests``
+/ ``max_queued_requests`` count it once and admit or refuse it whole (429 naming the limits);
+an engine request per choice runs there. The status line goes out once every choice is
+admitted (a stream's 200 and SSE headers do not wait for a token; an error before that is a
+JSON error with its status). Each choice's text comes back per decode step (detokenized
+there, stop strings ending a choice early, its blocks freed at once), and the answer goes out
+whole or as server-sent events (each chunk naming its choice's ``index``; the first chat delta
+of each carries ``"role": "assistant"``, then ``data: [DONE]``). A client that disconnects,
+before or while the answer is sent, cancels the call, which aborts every choice on the
+coordinator; a choice that is refused refuses the request.
 """
 
 from __future__ import annotations
@@ -133,10 +138,12 @@ class OpenAIServer:
 
     # -- routes ------------------------------------------------------------------------------
     @app.get("/health")
+    @app.get("/health/")
     async def health(self) -> dict:
         return {"status": "ok"}
 
     @app.get("/metrics")
+    @app.get("/metrics/")
     async def metrics(self) -> PlainTextResponse:
         """HiSparse's Prometheus metrics on the API's own port, where vLLM-style servers serve
         them (open, like ``/health``): the ``ray_hisparse_*`` families of every node's Ray
@@ -154,6 +161,11 @@ class OpenAIServer:
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str, request: Request):
+        """One model's card; ``/v1/models/`` (an empty id) is the list, a trailing slash
+        after the id is no part of it."""
+        model = model.rstrip("/")
+        if not model:
+            return await self.models(request)
         try:
             self._authorize(request)
             self._check_model(model)
@@ -167,10 +179,12 @@ class OpenAIServer:
                 + self.options.max_new_tokens_limit}
 
     @app.post("/v1/completions")
+    @app.post("/v1/completions/")
     async def completions(self, request: Request):
         return await self._serve(request, chat=False)
 
     @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions/")
     async def chat_completions(self, request: Request):
         return await self._serve(request, chat=True)
 
@@ -195,143 +209,103 @@ class OpenAIServer:
             stops = list(req.stop_token_ids or ())
             if not req.ignore_eos and self.tokenizer is not None:
                 stops += list(getattr(self.tokenizer, "eos_token_ids", ()))
-            answer = _Answer(self, rid, chat, req, [
-                _Choice(self, req, ids, {**req.engine_args(max_new, j), "stop_token_ids": stops},
-                        echo) for ids, echo in zip(prompts, echoes) for j in range(req.n)],
-                sum(len(ids) for ids in prompts))
-            await answer.start()  # errors of the request surface here, before a status
+            stop = req.stop_strings()
+            choices = [{"ids": ids, **req.engine_args(max_new, j), "stop_token_ids": stops,
+                        "stop": stop} for ids in prompts for j in range(req.n)]
+            answer = _Answer(self, rid, chat, req, choices,
+                             [e for e in echoes for _ in range(req.n)],
+                             sum(len(ids) for ids in prompts))
+            await answer.start()  # admitted whole, or refused here: before a status
         except BaseException as err:  # noqa: BLE001 - mapped to a status below
-            api = P.api_error(err)
+            api = self._api_error(err)
             if api is None:
                 raise
             return _error(api, rid)
         headers = {"x-request-id": rid}
         if req.stream:
-            return StreamingResponse(answer.events(), media_type="text/event-stream",
-                                     headers=headers)
+            return _Stream(answer, headers=headers)
         try:
             body = await answer.whole()
         except BaseException as err:  # noqa: BLE001
-            api = P.api_error(err)
+            api = self._api_error(err)
             if api is None:
                 raise
             return _error(api, rid)
         return JSONResponse(body, headers=headers)
 
+    def _api_error(self, err: BaseException) -> P.ApiError | None:
+        """``P.api_error``, with a full queue's 429 naming the limits it hit."""
+        api = P.api_error(err)
+        if api is not None and api.status == 429:
+            o = self.options
+            queued = "no limit" if o.max_queued_requests < 0 else o.max_queued_requests
+            api = P.ApiError(429, f"too many requests: each of the {o.num_replicas} replicas "
+                                  f"runs {o.max_ongoing_requests} and queues {queued} more "
+                                  f"(a request counts once, whatever its prompts x n); "
+                                  f"retry later", "rate_limit_error",
+                             code="rate_limit_exceeded")
+        return api
 
-class _Choice:
-    """One choice's token stream from the HiSparse deployment (one request there), as text:
-    incremental detokenization, stop strings, its completion tokens."""
 
-    def __init__(self, server: OpenAIServer, req, ids: list[int], args: dict,
-                 echo: str = "") -> None:
-        self.server, self.ids, self.args, self.echo = server, ids, args, echo
-        self.stops = P.StopStrings(req.stop_strings())
-        tok = server.tokenizer
-        self.text = tok.stream() if tok is not None else None
-        self.gen = None
-        self.completion_tokens = 0
+class _Stream(StreamingResponse):
+    """An answer's server-sent events that cancel the answer however the response ends:
+    Starlette stops sending when the client leaves but leaves the body iterator unclosed while
+    it waits at a ``yield`` (it would decode on until garbage-collected)."""
 
-    async def start(self):
-        """Submit and wait for the first item (a bad request raises here, before any status
-        line is sent)."""
-        handle = self.server.engine.options(stream=True)
-        self.gen = handle.generate_stream.remote(ids=self.ids, **self.args)
+    def __init__(self, answer: "_Answer", headers: dict) -> None:
+        super().__init__(answer.events(), media_type="text/event-stream", headers=headers)
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            return await self.gen.__anext__()
+            await super().__call__(scope, receive, send)
+        finally:
+            self.answer.gen.cancel()
+
+
+class _Answer:
+    """One HTTP request's choices (prompts x n, in OpenAI's index order) as one
+    ``generate_choices`` call, merged as they come: ``events`` (SSE, each chunk naming its
+    choice's index) or ``whole`` (one body); usage counts each prompt once and every choice's
+    tokens. Leaving (an error, the client gone) cancels the call: every choice is aborted."""
+
+    def __init__(self, server: OpenAIServer, rid: str, chat: bool, req, choices: list[dict],
+                 echoes: list[str], prompt_tokens: int) -> None:
+        self.server, self.rid, self.chat, self.req = server, rid, chat, req
+        self.choices, self.echoes, self.prompt_tokens = choices, echoes, prompt_tokens
+        self.tokens = [0] * len(choices)  # completion tokens per choice
+        self.created = P.now()
+        self.gen = None
+
+    async def start(self) -> None:
+        """Submit every choice and wait until all are admitted (Serve's queue took the call
+        and the coordinator every choice); a refused request raises here, none of its choices
+        left running."""
+        handle = self.server.engine.options(stream=True)
+        self.gen = handle.generate_choices.remote(self.choices)
+        try:
+            await self.gen.__anext__()  # {"admitted": k}
         except BaseException:
             self.gen.cancel()
             raise
 
-    def cancel(self) -> None:
-        if self.gen is not None:
+    async def _merged(self):
+        """(choice index, text piece, finish reason or None) of every choice as they come, each
+        choice's echoed prompt first; leaving early cancels the call upstream."""
+        try:
+            for i, echo in enumerate(self.echoes):
+                if echo:  # stop strings look at new text only
+                    yield i, echo, None
+            async for item in self.gen:
+                i, fin = item["choice"], item.get("finish_reason")
+                if fin is not None:
+                    self.tokens[i] = item["completion_tokens"]
+                yield i, item["text"], fin
+        finally:
             self.gen.cancel()
 
-    async def pieces(self, first):
-        """(text piece, finish reason or None) per upstream item, stopping at a stop string
-        (the upstream request is cancelled then: aborted, blocks freed)."""
-        item = first
-        try:
-            if self.echo:  # the prompt first (``echo``); stop strings look at new text only
-                yield self.echo, None
-            while True:
-                if "done" in item:
-                    tail = self.text.flush() if self.text is not None else ""
-                    piece, hit = self.stops.push(tail)
-                    if not hit:
-                        piece += self.stops.flush()
-                    fin = "stop" if hit or item["finish_reason"] in ("stop", "eos") else "length"
-                    self.completion_tokens = len(item["tokens"])
-                    yield piece, fin
-                    return
-                self.completion_tokens += len(item["tokens"])
-                new = self.text.push(item["tokens"]) if self.text is not None else ""
-                piece, hit = self.stops.push(new)
-                if hit:
-                    yield piece, "stop"
-                    return
-                if piece:
-                    yield piece, None
-                item = await self.gen.__anext__()
-        finally:
-            self.gen.cancel()  # a stop string, an error or the client left: end it upstream
-
-
-class _Answer:
-    """One HTTP request's choices (prompts x n, in OpenAI's index order), run at once and
-    merged as they come: ``events`` (SSE, each chunk naming its choice's index) or ``whole``
-    (one body); usage counts each prompt once and every choice's tokens."""
-
-    def __init__(self, server: OpenAIServer, rid: str, chat: bool, req, choices: list[_Choice],
-                 prompt_tokens: int) -> None:
-        self.server, self.rid, self.chat, self.req = server, rid, chat, req
-        self.choices, self.prompt_tokens = choices, prompt_tokens
-        self.created = P.now()
-        self.firsts: list = []
-
-    async def start(self) -> None:
-        """Start every choice; if one is refused, the others are cancelled and its error
-        raised (the first that is not a cancellation)."""
-        try:
-            got = await asyncio.gather(*(c.start() for c in self.choices),
-                                       return_exceptions=True)
-        except BaseException:  # the caller left: end whatever started
-            for c in self.choices:
-                c.cancel()
-            raise
-        errors = [g for g in got if isinstance(g, BaseException)]
-        if errors:
-            for c in self.choices:
-                c.cancel()
-            raise next((e for e in errors if not isinstance(e, asyncio.CancelledError)),
-                       errors[0])
-        self.firsts = got
-
-    async def _merged(self):
-        """(choice index, text piece, finish reason or None) of every choice as they come; on
-        an error or when the consumer leaves, every choice is cancelled upstream."""
-        its = [c.pieces(f) for c, f in zip(self.choices, self.firsts)]
-        pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(its)}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in sorted(done, key=pending.__getitem__):
-                    i = pending.pop(t)
-                    try:
-                        piece, fin = t.result()
-                    except StopAsyncIteration:
-                        continue
-                    yield i, piece, fin
-                    pending[asyncio.ensure_future(its[i].__anext__())] = i
-        finally:
-            for t in pending:  # no await here: a cancelled consumer may not wait again
-                t.cancel()
-                t.add_done_callback(_retrieved)
-            for c in self.choices:
-                c.cancel()
-
     def _usage(self) -> dict:
-        return P.usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
+        return P.usage(self.prompt_tokens, sum(self.tokens))
 
     async def whole(self) -> dict:
         parts: list[list[str]] = [[] for _ in self.choices]
@@ -368,8 +342,7 @@ class _Answer:
             api = P.api_error(err) or P.ApiError(500, repr(err), "server_error")
             yield P.sse(api.body())
         finally:  # the client left while a chunk was being sent (closed here, not in _merged)
-            for c in self.choices:
-                c.cancel()
+            self.gen.cancel()
         yield P.sse("[DONE]")
 
 
@@ -437,12 +410,6 @@ def merge_prometheus(texts: list[str], prefix: str) -> str:
     for fam in families.values():
         out += [fam[k] for k in ("HELP", "TYPE") if k in fam] + list(fam["samples"])
     return "".join(line + "\n" for line in out)
-
-
-def _retrieved(task: asyncio.Task) -> None:
-    """Mark a cancelled-on-exit task's outcome as seen (no 'exception never retrieved' log)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _ingress():

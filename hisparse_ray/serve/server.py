@@ -8,6 +8,9 @@ methods are also the handle API:
         ...                     # {"tokens": [...]} per decode step, last: the result ("done")
     # Ray Data's ServeDeploymentProcessorConfig: one dict in, the first item yielded out
     first = await handle.options(stream=True).batch.remote({"ids": [...], "max_tokens": 8})
+    # one OpenAI request's choices (prompts x n) as one call: text per choice, stop strings
+    async for item in handle.options(stream=True).generate_choices.remote([{"ids": [...]}]):
+        ...                     # {"admitted": k}, then {"choice": i, "text": ...} per step
 
 Requests from many callers share the decode steps. Each gets a fresh id (this replica's prefix +
 a uuid4); a :class:`~hisparse_ray.serve.events.StreamHub` brings each decode step's tokens and
@@ -168,26 +171,103 @@ class HiSparseServer:
             stop_token_ids=request.get("stop_token_ids"))
         yield {k: v for k, v in out.items() if k != "done"}
 
+    async def generate_choices(self, choices: list[dict], timeout_s: float | None = None):
+        """One OpenAI request's choices (its prompts x ``n``) as one call, streamed: what the
+        ingress sends, so Serve's ``max_ongoing_requests`` / ``max_queued_requests`` admit or
+        refuse the request whole (it counts once, whatever its choices). Every choice is
+        checked before any is submitted, and a refused submit aborts those already in: a
+        request is never half-admitted. Yields ``{"admitted": k}`` once all k are in (the
+        ingress sends its status line then, before any token), then, per choice and decode
+        step, ``{"choice": i, "text": piece}`` and last ``{"choice": i, "text": tail,
+        "finish_reason": r, "completion_tokens": m}``. A choice: ``ids``, ``stop`` (strings: the
+        text ends before the first to complete, and the choice is aborted there, its blocks
+        freed) and ``generate``'s keywords. A choice that fails fails the call; a caller that
+        leaves aborts every choice."""
+        if not isinstance(choices, list) or not choices:
+            raise InvalidRequestError("-", "choices must be a non-empty list of dicts")
+        known = {"ids", "stop", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
+                 "stop_token_ids"}
+        for c in choices:
+            if not isinstance(c, dict) or set(c) - known:
+                raise InvalidRequestError("-", f"a choice is a dict of {sorted(known)}, got "
+                                               f"{c!r:.80}")
+        checked = [self._params(None, c.get("ids"), c.get("max_new_tokens"), None,
+                                c.get("temperature"), c.get("top_p"), c.get("top_k"),
+                                c.get("seed"), c.get("stop_token_ids")) for c in choices]
+        started = await self._submit_all(checked, stream=True)
+        out: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._choice(i, *s, c.get("stop") or [], timeout_s, out))
+                 for i, (s, c) in enumerate(zip(started, choices))]
+        try:
+            yield {"admitted": len(tasks)}
+            left = len(tasks)
+            while left:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                left -= "finish_reason" in item
+                yield item
+        finally:  # an error, or the caller left: the other choices end upstream (aborted)
+            for t in tasks:
+                t.cancel()
+
+    async def _choice(self, i: int, rid: str, w, extra: dict, stop: list[str],
+                      timeout_s: float | None, out: asyncio.Queue) -> None:
+        """Choice ``i`` of ``generate_choices`` as text onto ``out`` (its error instead, if it
+        fails); a stop string ends it here, which aborts it upstream."""
+        text = ChoiceText(self.tokenizer, stop)
+        follow = self._follow(rid, w, extra, timeout_s)
+        try:
+            async for item in follow:
+                piece, fin = text.push(item)
+                if fin is not None:
+                    out.put_nowait({"choice": i, "text": piece, "finish_reason": fin,
+                                    "completion_tokens": text.tokens})
+                    return
+                if piece:
+                    out.put_nowait({"choice": i, "text": piece})
+        except Exception as err:  # noqa: BLE001 - raised by generate_choices
+            out.put_nowait(err)
+        finally:
+            await follow.aclose()  # before its end (a stop string): aborted, blocks freed
+
     async def _start(self, prompt, ids, max_new_tokens, eos_token_id, stream: bool, temperature,
                      top_p, top_k, seed, stop_token_ids):
-        """Validate, register a waiter (before submitting: the request may finish at once) and
-        submit. Raises the typed error of a refused request."""
-        tokens, max_new, sampling, stops = self._params(
-            prompt, ids, max_new_tokens, eos_token_id, temperature, top_p, top_k, seed,
-            stop_token_ids)
+        """Validate, register a waiter and submit. Raises the typed error of a refused
+        request."""
+        checked = self._params(prompt, ids, max_new_tokens, eos_token_id, temperature, top_p,
+                               top_k, seed, stop_token_ids)
+        (started,) = await self._submit_all([checked], stream, text=prompt is not None)
+        return started
+
+    async def _submit_all(self, checked: list[tuple], stream: bool, text: bool = False
+                          ) -> list[tuple]:
+        """Submit validated requests (``_params``' tuples) at once, each with a waiter
+        registered first (it may finish at once); (request id, waiter, extra) each. If one is
+        refused, or the caller leaves meanwhile, all are aborted (a submit that never arrived
+        is unknown there: nothing to abort) and the typed error raised."""
         if self._closed:
             raise StateError("server is shutting down")
-        rid = self._prefix + uuid.uuid4().hex
-        w = self.hub.register(rid, stream)
+        started = []
         try:
-            await self._coord.submit.remote(rid, tokens, max_new, None, None, sampling=sampling,
-                                            stop_token_ids=stops, stream=stream)
-        except BaseException as err:
-            # a cancelled submit may have run: abort it to be sure
-            self.hub.forget(rid, abort=isinstance(err, asyncio.CancelledError))
-            raise unwrap(err) from None
-        return rid, w, {"prompt_tokens": len(tokens), "text": prompt is not None,
-                        "seed": sampling.seed}
+            for tokens, max_new, sampling, stops in checked:
+                rid = self._prefix + uuid.uuid4().hex
+                started.append((rid, self.hub.register(rid, stream), {
+                    "prompt_tokens": len(tokens), "text": text, "seed": sampling.seed}))
+            got = await asyncio.gather(*(
+                self._coord.submit.remote(rid, tokens, max_new, None, None, sampling=sampling,
+                                          stop_token_ids=stops, stream=stream)
+                for (rid, _, _), (tokens, max_new, sampling, stops) in zip(started, checked)),
+                return_exceptions=True)
+        except BaseException as err:  # the hub refused, or the caller left (a cancelled
+            got = [err]               # submit may have run)
+        errors = [unwrap(g) for g in got if isinstance(g, BaseException)]
+        if errors:
+            for rid, _, _ in started:
+                self.hub.forget(rid, abort=True)
+            raise next((e for e in errors if not isinstance(e, asyncio.CancelledError)),
+                       errors[0]) from None
+        return started
 
     async def _follow(self, rid: str, w, extra: dict, timeout_s: float | None):
         """Yield the request's token chunks (streams only) and its final result; a caller that
@@ -288,6 +368,34 @@ class HiSparseServer:
             self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
+
+
+class ChoiceText:
+    """One choice's tokens as text (``push`` each ``_follow`` item): incremental
+    detokenization, then the stop strings (:class:`~hisparse_ray.serve.protocol.StopStrings`:
+    the first to complete ends the choice, the text ends before it). A model without a
+    tokenizer gives empty text."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        from hisparse_ray.serve.protocol import StopStrings
+
+        self.text = tokenizer.stream() if tokenizer is not None else None
+        self.stops = StopStrings(stop)
+        self.tokens = 0  # completion tokens so far
+
+    def push(self, item: dict) -> tuple[str, str | None]:
+        """(text piece, finish reason or None: "stop" at a stop string, stop id or EOS,
+        "length" at max_new_tokens)."""
+        if "done" in item:
+            piece, hit = self.stops.push(self.text.flush() if self.text is not None else "")
+            if not hit:
+                piece += self.stops.flush()
+            self.tokens = len(item["tokens"])
+            return piece, "stop" if hit or item["finish_reason"] in ("stop", "eos") else "length"
+        self.tokens += len(item["tokens"])
+        piece, hit = self.stops.push(self.text.push(item["tokens"])
+                                     if self.text is not None else "")
+        return piece, "stop" if hit else None
 
 
 def check_text(what: str, text: str, max_tokens: int, chars_per_token: int = 64) -> str:

@@ -419,9 +419,134 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(app):
     _settled(handle)
 
 
+def test_trailing_slashes_are_the_same_routes(app):
+    """OpenAI clients built on a base URL ending in ``/`` ask for ``/v1/models/``: every route
+    answers with or without a trailing slash (``/v1/models/`` was a 404: an empty model id)."""
+    handle, url, _ = app
+    status, body, _ = _http(url + "/v1/models/", "GET")
+    assert status == 200 and [m["id"] for m in body["data"]] == [MODEL], body
+    status, body, _ = _http(url + f"/v1/models/{MODEL}/", "GET")
+    assert status == 200 and body["id"] == MODEL, body
+    assert _http(url + "/health/", "GET", key=None)[0] == 200
+    for path, body in (("/v1/completions/", {"model": MODEL, "prompt": "ab", "max_tokens": 2}),
+                       ("/v1/chat/completions/", {"model": MODEL, "max_tokens": 2, "messages": [
+                           {"role": "user", "content": "ab"}]})):
+        status, out, _ = _http(url + path, "POST", body)
+        assert status == 200 and out["usage"]["completion_tokens"] == 2, (path, out)
+    assert _http(url + "/v1/models/", "GET", key="wrong")[0] == 401
+    _settled(handle)
+
+
+def test_a_request_counts_once_however_many_choices(app):
+    """Serve's max_ongoing_requests + max_queued_requests (6 + 10 here) count HTTP requests:
+    one request of 20 choices (n = 20, or a batch of prompts) is admitted whole and answered
+    (it was refused: 429 for the choices beyond 16, and every other cancelled)."""
+    handle, _, client = app
+    want = _text(_expected([[7, 8, 9]], 2)[0])
+    out = client.completions.create(model=MODEL, prompt=[7, 8, 9], n=20, max_tokens=2,
+                                    temperature=0)
+    assert [c.text for c in out.choices] == [want] * 20 and out.usage.completion_tokens == 40
+    out = client.completions.create(model=MODEL, prompt=[[7, 8, 9]] * 10, n=2, max_tokens=2,
+                                    temperature=0)
+    assert [c.index for c in out.choices] == list(range(20))
+    _settled(handle)
+
+
+def _post(url: str, body: dict) -> http.client.HTTPConnection:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    return conn
+
+
+def _decoding(coord, n: int) -> None:
+    """Until ``n`` requests decode (liveness bound, not a speed)."""
+    end = time.monotonic() + 120
+    while sum(1 for k, _, done in ray.get(coord.progress.remote()).values()
+              if k > 0 and not done) < n:
+        assert time.monotonic() < end, "the requests never started decoding"
+        time.sleep(0.1)
+
+
+def test_a_stream_gets_its_status_once_admitted_before_any_token(app):
+    """The status line and SSE headers of a stream go out once its choices are admitted, not
+    after every choice's first token: a stream that waits for room in the host pool (two long
+    answers fill it) already has its 200; the error cases before admission keep their JSON
+    statuses (the BAD table)."""
+    handle, url, _ = app
+    coord = handle.coordinator.remote().result()
+    rng = random.Random(17)
+    filler = _post(url, {"model": MODEL, "prompt": [rng.randrange(1, 96) for _ in range(150)],
+                         "max_tokens": LONG, "n": 2, "temperature": 0, "stream": True})
+    waiting = None
+    try:
+        _decoding(coord, 2)
+        waiting = _post(url, {"model": MODEL, "max_tokens": LONG, "temperature": 0,
+                              "prompt": [rng.randrange(1, 96) for _ in range(150)],
+                              "stream": True})
+        resp = waiting.getresponse()  # a socket timeout here: the status waited for a token
+        assert resp.status == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        progress = ray.get(coord.progress.remote())
+        assert len(progress) == 3 and sum(1 for k, _, _ in progress.values() if k > 0) == 2, \
+            f"the third long answer started: the host pool did not hold it back {progress}"
+        filler.sock.close()  # room for the waiting one: its first token comes
+        line = resp.fp.readline()
+        while not line.startswith(b"data: {"):
+            line = resp.fp.readline()
+        assert json.loads(line[6:])["choices"][0]["index"] == 0
+    finally:  # the client leaves: both requests are aborted
+        for conn in (filler, waiting):
+            if conn is not None and conn.sock is not None:
+                conn.sock.close()
+            if conn is not None:
+                conn.close()
+    _settled(handle)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("when", ["decoding", "waiting"])
+def test_a_client_that_leaves_before_reading_aborts_every_choice(app, stream, when):
+    """A client that sends a request of two long choices and disconnects without reading a byte
+    of the answer, while they decode or while they wait for room in the host pool (a long
+    answer of another client fills it): both choices are aborted (a few steps more, not the
+    2 x 5000 tokens asked) and every block is freed."""
+    handle, url, _ = app
+    coord = handle.coordinator.remote().result()
+    rng = random.Random(23 + stream)
+    filler = None
+    if when == "waiting":
+        filler = _post(url, {"model": MODEL, "max_tokens": LONG, "n": 2, "temperature": 0,
+                             "prompt": [rng.randrange(1, 96) for _ in range(150)],
+                             "stream": True})
+        _decoding(coord, 2)
+    conn = _post(url, {"model": MODEL, "prompt": [rng.randrange(1, 96) for _ in range(150)],
+                       "max_tokens": LONG, "n": 2, "temperature": 0, "stream": stream})
+    try:
+        if filler is None:
+            _decoding(coord, 2)
+        else:  # both submitted, neither landed: the host pool holds them back
+            end = time.monotonic() + 120
+            while len(ray.get(coord.progress.remote())) < 4:
+                assert time.monotonic() < end, "the request never reached the coordinator"
+                time.sleep(0.1)
+    finally:
+        steps = handle.metrics.remote().result()["counters"]["steps"]
+        conn.sock.close()  # gone before the status line or any byte of the body was read
+        conn.close()
+        if filler is not None:
+            time.sleep(1)  # the disconnect reaches the server while the choices still wait
+            steps = handle.metrics.remote().result()["counters"]["steps"]
+            filler.sock.close()
+            filler.close()
+    after = _settled(handle)["counters"]["steps"]
+    assert after - steps < LONG // 2, f"the choices decoded on for {after - steps} steps"
+
+
 def test_a_burst_beyond_the_queue_gets_429(app):
     """24 long streams at once: those beyond max_ongoing + max_queued (6 + 10) get 429 with an
-    OpenAI body, the rest stream; everything is released afterwards."""
+    OpenAI body naming those limits, the rest stream; everything is released afterwards."""
     handle, url, client = app
 
     async def gather(calls):
@@ -456,6 +581,7 @@ def test_a_burst_beyond_the_queue_gets_429(app):
     limited = [r for r in results if isinstance(r, openai.RateLimitError)]
     assert limited and results.count("ok") >= 6, results
     assert limited[0].body["type"] == "rate_limit_error"
+    assert "runs 6 and queues 10 more" in limited[0].body["message"], limited[0].body
     _settled(handle)
 
 

@@ -260,3 +260,23 @@ def test_vllm_sampling_extras_at_their_neutral_values_are_taken():
     chat = _parse(ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
                                 **extras})
     chat.check_supported()
+
+
+def test_a_choice_text_ends_at_its_stop_string_and_reports_its_tokens():
+    """``ChoiceText`` (the HiSparse deployment's side of a choice): decode-step items become
+    text, a stop string ends the choice before it (finish "stop"), the done item gives the
+    finish reason and the completion tokens; without a tokenizer the text is empty."""
+    from hisparse_ray.model.tokenizer import ByteTokenizer
+    from hisparse_ray.serve.server import ChoiceText
+
+    tok = ByteTokenizer()
+    text = ChoiceText(tok, ["cd"])
+    assert text.push({"tokens": tok.encode("abc")}) == ("ab", None)  # "c" may begin "cd"
+    assert text.push({"tokens": tok.encode("dxy")}) == ("", "stop") and text.tokens == 6
+    for reason, fin in (("length", "length"), ("eos", "stop"), ("stop", "stop")):
+        text = ChoiceText(tok, [])
+        assert text.push({"tokens": tok.encode("hi!")}) == ("hi!", None)
+        done = {"done": True, "tokens": tok.encode("hi!"), "finish_reason": reason}
+        assert text.push(done) == ("", fin) and text.tokens == 3
+    text = ChoiceText(None, ["x"])
+    assert text.push({"tokens": [5, 6]}) == ("", None) and text.tokens == 2
