@@ -273,6 +273,11 @@ class CoordinatorConfig:
         row a prefill of the same tokens computes (the reference path); the fast step does not
         (other kernels and batch shapes), and a follow-up reusing its rows would decode from
         other KV than full-resident's fresh prefill. False: only prefill-written pages are reused.
+    index_pages / index_page_tokens: a capped GPU index-key pool (the fast path's
+        ``FastPathConfig.index_pages``; None: uncapped) of pages of ``index_page_tokens``
+        positions. A request holds ``ceil((prompt + max_new) / index_page_tokens)`` of them from
+        its landing to its release; admission waits while the requests holding pages leave too
+        few for the next one (as it waits for blocks), so a landing never meets a full pool.
     """
 
     num_device_blocks: int
@@ -285,6 +290,8 @@ class CoordinatorConfig:
     row_bytes: int = 0
     host_tier: bool = True
     publish_decoded: bool = True
+    index_pages: int | None = None
+    index_page_tokens: int = 64
 
     def __post_init__(self) -> None:
         for key in ("num_device_blocks", "num_host_blocks", "page_size", "device_buffer_size",
@@ -292,6 +299,9 @@ class CoordinatorConfig:
             _pos_int(key, getattr(self, key))
         _pos_int("page_bytes", self.page_bytes, lo=0)
         _pos_int("row_bytes", self.row_bytes, lo=0)
+        _pos_int("index_page_tokens", self.index_page_tokens)
+        if self.index_pages is not None:
+            _pos_int("index_pages", self.index_pages)
         for key in ("host_tier", "publish_decoded"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(key, getattr(self, key), "must be True or False")

@@ -28,7 +28,7 @@ from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import (
     CapacityError, ConfigError, DuplicateRequestError, InvalidRequestError, StateError,
 )
-from hisparse_ray.fastpath.config import FastPathConfig
+from hisparse_ray.fastpath.config import INDEX_PAGE, FastPathConfig
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.kernels.kvfp8 import KV_DTYPES, row_codec
 from hisparse_ray.rank.executor import HiSparseWorker
@@ -165,7 +165,9 @@ class Engine:
             device_buffer_size=c.hisparse.device_buffer_size, max_batch=c.max_batch,
             page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token,
             host_tier=not (c.full_resident and c.device_pool_gib is not None),
-            publish_decoded=c.fast_path is None))
+            publish_decoded=c.fast_path is None,
+            index_pages=None if c.fast_path is None else c.fast_path.index_pages,
+            index_page_tokens=INDEX_PAGE))
         self.pool = HostPool.create(f"engine{os.getpid()}-{next(_ids)}", self.layout, num_host)
         self.pool.unlink()  # private: nothing attaches, so no exit path leaves the segment behind
         try:

@@ -56,6 +56,8 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "row_bytes": [True, -1],
         "host_tier": [1, None],
         "publish_decoded": [0, "yes"],
+        "index_pages": [0, -1, 2.5, "3"],
+        "index_page_tokens": [0, None, 1.5],
     }),
     EngineConfig: ({}, {
         "hisparse": [None, {"top_k": 8}],

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.core.admission import (
-    MAX_TOKEN, fit, land, match_prefix, pools_that_fit, validate_request,
+    MAX_TOKEN, fit, index_pages_short, land, match_prefix, pools_that_fit, validate_request,
 )
 from hisparse_ray.core.invariants import check_coordinator
 from hisparse_ray.core.request import Conversion, Page, Request, TransferOp
@@ -103,7 +103,8 @@ class Coordinator:
         req.written = len(tokens) - 1
         matched = match_prefix(self.res, req)
         how = None
-        if not self._waiting:
+        short = index_pages_short(self.config, self._requests.values(), req)
+        if not self._waiting and not short:
             free = self._room()
             how = fit(self.res, req, LandingTarget.RESIDENT, matched, free)
             target = LandingTarget.RESIDENT
@@ -116,7 +117,8 @@ class Coordinator:
             self._record(req)
             self._waiting.append(req.rid)
             self.res.stats["waited"] += 1
-            self._relieve(req)
+            if not short:  # a release gives index-key pages back; a conversion would not
+                self._relieve(req)
             return None
         req.target = req.tier = target
         self._record(req)
@@ -136,6 +138,8 @@ class Coordinator:
         out: list[Admission] = []
         while self._waiting:
             req = self._requests[self._waiting[0]]
+            if index_pages_short(self.config, self._requests.values(), req):
+                break  # a release gives pages back; converting a request to host would not
             how = fit(self.res, req, req.target, match_prefix(self.res, req), self._room())
             if how is None:
                 self._relieve(req)

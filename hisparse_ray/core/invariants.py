@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from hisparse_ray.core.admission import index_pages_of
 from hisparse_ray.core.request import Conversion, TransferOp
 from hisparse_ray.core.reservations import obligations, resident_bound
 from hisparse_ray.types import LandingTarget, RequestState
@@ -24,11 +25,16 @@ def check_coordinator(c: "Coordinator") -> None:
     their shape; waiting/released requests hold nothing; a request handle names at most one
     request and is never both free and in use; the pools cover every reservation (available host
     blocks >= host reservations, free device blocks >= device reservations), so no request can
-    run out of blocks mid-decode."""
+    run out of blocks mid-decode; a capped index-key pool covers the pages of every landed
+    request not yet released."""
     host, device, book = c.host, c.device, c.book
     c.res.check_invariants()
     cfg = c.config
     ps = cfg.page_size
+    if cfg.index_pages is not None:  # a capped index-key pool: landings never over-commit it
+        held = sum(index_pages_of(cfg, r.prompt_len, r.max_new_tokens) for r in c._requests.values()
+                   if r.state in (RequestState.LANDING, RequestState.RUNNING, RequestState.FINISHED))
+        assert held <= cfg.index_pages, f"index-key pages over-committed: {held} > {cfg.index_pages}"
 
     live = [r.handle for r in c._requests.values() if r.handle is not None]
     idle = set(c._free_handles) | set(c._released)

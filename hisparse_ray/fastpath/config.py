@@ -43,8 +43,8 @@ class FastPathConfig:
     cuda_graphs: capture one CUDA graph per bucket (CUDA only; TP needs NCCL to be captured).
     index_pages: pages of the GPU index-key pool, a fixed cap (None: room for ``max_batch``
         requests of ``max_context`` positions, grown on demand). At least one request of
-        ``max_context`` positions; a request that lands while the others hold the rest fails its
-        landing (CapacityError) and frees what it held.
+        ``max_context`` positions. The engine's admission counts these pages
+        (``CoordinatorConfig.index_pages``): a request waits while the landed ones hold too many.
     compile_glue: ``torch.compile`` the per-layer torch work between the library kernels (norms,
         projections, rope, casts, the dense MLP; :mod:`hisparse_ray.fastpath.glue`): fused
         kernels instead of ~150 small launches a layer. Compiles during a bucket's first step

@@ -412,3 +412,28 @@ def test_everything_that_crosses_a_process_boundary_pickles():
     cmd = take(c)
     for obj in (adm, c.view("a"), c.counters, cmd, StepReport(1, 0, sampled=(("a", 2),))):
         assert pickle.loads(pickle.dumps(obj)) == obj
+
+
+def test_a_capped_index_key_pool_makes_admission_wait_not_convert():
+    """index_pages=5 of 4 positions: "a" (10 + 6 positions = 4 pages) lands; "b" (2 pages) waits
+    although blocks are plenty, and no resident request is converted for it (pages come back on
+    a release, not from a spill); it lands once "a" is released. A request needing more pages
+    than the whole pool is refused at admission, naming the pool."""
+    c = make(dev=32, host=32, ps=2, H=1, index_pages=5, index_page_tokens=4)
+    assert c.admit("a", list(range(10)), 6) is not None
+    c.apply_landed("a")
+    assert c.admit("b", [1, 2, 3], 4) is None
+    assert c.view("b").state is S.WAITING and c.poll_waiting() == ()
+    c.check_invariants()
+    step(c)
+    assert c.counters.conversions_to_host == 0 and c.view("a").tier is T.RESIDENT
+    c.finish("a")
+    step(c)
+    assert c.view("a").state is S.RELEASED
+    (adm,) = c.poll_waiting()
+    assert adm.request_id == "b"
+    c.check_invariants()
+    with pytest.raises(CapacityError, match="index-key pages of 4 positions"):
+        c.admit("huge", list(range(20)), 5)  # 25 positions = 7 pages > 5
+    with pytest.raises(UnknownRequestError):
+        c.view("huge")

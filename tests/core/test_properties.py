@@ -23,12 +23,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @initialize(dev=st.integers(2, 10), host=st.integers(2, 16), ps=st.integers(1, 4),
                 H=st.integers(1, 6), tp=st.integers(1, 3), max_batch=st.integers(1, 4),
-                seed=st.integers(0, 2**16))
-    def setup(self, dev, host, ps, H, tp, max_batch, seed):
+                seed=st.integers(0, 2**16), index=st.none() | st.integers(1, 12))
+    def setup(self, dev, host, ps, H, tp, max_batch, seed, index):
         hot = -(-(H + 1) // ps)
         cfg = CoordinatorConfig(num_device_blocks=max(dev, hot), num_host_blocks=host,
                                 page_size=ps, device_buffer_size=H, tp_size=tp,
-                                max_batch=max_batch, page_bytes=64, row_bytes=8)
+                                max_batch=max_batch, page_bytes=64, row_bytes=8,
+                                index_pages=index, index_page_tokens=4)  # a capped key pool
         self.driver = RandomDriver(cfg, seed)
 
     @rule(prefix=st.integers(0, 2), extra=st.integers(0, 6), max_new=st.integers(1, 6))

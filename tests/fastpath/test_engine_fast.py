@@ -196,29 +196,62 @@ def test_a_bad_max_new_tokens_is_an_invalid_request_on_the_fast_path(dense, bad)
 
 
 
-def test_a_landing_the_full_index_key_pool_refuses_frees_what_it_held(dense):
-    """index_pages=3 of 2-page requests: the second landing finds 1 free page. It fails with a
-    CapacityError saying so and releases its blocks; the others decode exactly and a later
-    request lands once pages are free (was: the request stayed LANDING with its leases and
-    every later step raised)."""
+def test_a_request_waits_for_index_key_pages_instead_of_failing(dense):
+    """index_pages=3 of 2-page requests: "b" finds 1 free page while "a" runs, so admission keeps
+    it waiting (CoordinatorConfig.index_pages) and it lands once "a" is released; "c" (1 page)
+    waits behind it (FIFO). Every request decodes exactly as full-resident's (was: "b" failed its
+    landing with CapacityError although it would fit a step later)."""
     fast = FastPathConfig(max_context=128, buckets=(2,), index_pages=3)
     a, b, c = prompts_of([70, 70, 10], dense.cfg.vocab_size, seed=21)
     with Engine(dense, fast_cfg(fast)) as eng:
         eng.add_request("a", a, 5)
-        with pytest.raises(CapacityError, match=r"index key pages \(1 free, the rest held by 1 "):
-            eng.add_request("b", b, 5)
-        assert eng.core.view("b").state is RequestState.RELEASED
+        eng.add_request("b", b, 5)
         eng.add_request("c", c, 5)
+        assert [eng.core.view(r).state for r in "bc"] == [RequestState.WAITING] * 2
+        seen = []
+        while not eng.done:
+            assert eng.step()
+            eng.core.check_invariants()
+            held = sum(len(p) for p in eng.worker.fast.keys.pages.values())
+            assert held <= 3
+            seen.append(eng.core.view("b").state)
         out = eng.run()
-        eng.add_request("b2", b, 5)
+        cnt = eng.core.counters
+        assert (cnt.device_blocks_used, cnt.host_blocks_used, cnt.running) == (0, 0, 0)
+        assert RequestState.RUNNING in seen
+    roomy = FastPathConfig(max_context=128, buckets=(2,))  # one bucket: exact whatever the batches
+    base = run(dense, [a, b, c], 5, fast_cfg(roomy, full_resident=True))[0]
+    assert out == {"a": base["r0"], "b": base["r1"], "c": base["r2"]}
+
+
+def test_a_landing_the_index_key_pool_refuses_frees_what_it_held(dense):
+    """A landing that fails anyway (here: pages taken behind admission's back) finishes the
+    request as ``landing_failed`` with a CapacityError naming the pool, frees its blocks and
+    worker state; the others decode exactly and the same prompt lands once pages are free (was:
+    the request stayed LANDING with its leases and every later step raised)."""
+    fast = FastPathConfig(max_context=128, buckets=(2,), index_pages=3)
+    a, b, c = prompts_of([70, 70, 10], dense.cfg.vocab_size, seed=21)
+    with Engine(dense, fast_cfg(fast)) as eng:
+        eng.add_request("a", a, 5)
+        keys = eng.worker.fast.keys
+        keys.install("outsider", None, 64)  # one page the coordinator does not know of
+        with pytest.raises(CapacityError, match=r"index key pages \(0 free, the rest held by 2 "):
+            eng.add_request("c", c, 5)
+        assert eng.core.view("c").state is RequestState.RELEASED
+        assert eng.core.view("c").finish_reason == "landing_failed"
+        keys.free("outsider")
+        out = eng.run()
+        eng.add_request("c2", c, 5)
+        eng.add_request("b", b, 5)
         out.update(eng.run())
         eng.core.check_invariants()
         cnt = eng.core.counters
         assert (cnt.device_blocks_used, cnt.host_blocks_used, cnt.running) == (0, 0, 0)
-        assert eng.worker.fast.keys.free_pages == 3 and not eng.worker.index
-    roomy = FastPathConfig(max_context=128, buckets=(2,))  # one bucket: exact whatever the batches
+        assert keys.free_pages == 3 and not eng.worker.index
+    roomy = FastPathConfig(max_context=128, buckets=(2,))
     base = run(dense, [a, c, b], 5, fast_cfg(roomy, full_resident=True))[0]
-    assert out == {"a": base["r0"], "b": [], "c": base["r1"], "b2": base["r2"]}
+    assert out == {"a": base["r0"], "c": [], "c2": base["r1"], "b": base["r2"]}
+
 
 def test_a_request_added_right_after_another_finished_gets_its_index_key_pages(dense):
     """A pool of exactly one request's index-key pages: "b", added in the same breath as "a"

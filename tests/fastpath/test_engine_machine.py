@@ -14,8 +14,9 @@ After every step the engine's rows are replayed on a full-resident twin in locks
 tokens must equal the twin's bit for bit. After every rule: the coordinator's invariants (the
 pools cover every reservation: admission never over-commits); every running request holds its
 index keys; the worker holds per-request state only for requests not RELEASED or whose release it
-has not been told yet; index-key pages free + held == the pool; a landing refused for index-key
-pages only when the live requests hold them; a request refused at admission only when its life
+has not been told yet; index-key pages free + held == the pool, and a capped pool never refuses
+a landing (admission counts its pages: a request waits for them); a request refused at
+admission only when its life
 fits neither empty pool; when every request is released, no device or host block is in use. At
 the end: everything runs to completion, nothing is held by the engine or the twin, and with one
 bucket each request's tokens equal a full-resident engine's for it alone (an aborted one's are a
@@ -45,10 +46,6 @@ VOCAB, TOPK = MODEL.cfg.vocab_size, MODEL.cfg.index_topk
 DONE = (RequestState.FINISHED, RequestState.RELEASED)
 MAX_NEW = 12
 SAMPLING = st.sampled_from([0.0, 0.0, 0.7, 1.3])
-
-
-def index_pages_of(n_positions: int) -> int:
-    return -(-max(n_positions, 1) // INDEX_PAGE)
 
 
 def until_eos(tokens: list[int], eos: int | None) -> list[int]:
@@ -97,13 +94,10 @@ class EngineMachine(RuleBasedStateMachine):
                                                      fast_path=self.fast, **base))
         self.eng.worker.on_logits = lambda rows, out: self.seen.append((list(rows), out.clone()))
         self.seen: list = []
-        self.refusals: dict = {}  # rid -> the index-key pages' holders when its landing was refused
-        self.watch_index_keys()
         self.ref_memo: dict = {}
         self.requests: dict[str, dict] = {}  # rid -> what it was added with (admitted ones)
         self.refused: set[str] = set()  # refused at admission: fit no empty pool
         self.aborted: set[str] = set()
-        self.failed: set[str] = set()  # landings the index-key pool refused
         self.counts = dict(twin_rows=0, restores=0)
         self.rids = iter(f"r{i}" for i in range(10**6))
         self.heads = [torch.randint(0, VOCAB, (self.H + ps,),
@@ -188,40 +182,8 @@ class EngineMachine(RuleBasedStateMachine):
                     eng.core.view(rid)
                 self.refused.add(rid)
                 return
-            self.requests[rid] = dict(prompt=prompt, max_new=max_new, eos=eos, sampling=sampling)
-            self.landing_refused(rid, e, len(prompt) + max_new + 1)
-            return
+            raise  # a landing is never refused: admission waits for index-key pages
         self.requests[rid] = dict(prompt=prompt, max_new=max_new, eos=eos, sampling=sampling)
-
-    def watch_index_keys(self) -> None:
-        """Record, at the moment the worker's index-key pool refuses a landing, who holds its
-        pages (a step lands several waiting requests one after another: a snapshot taken before
-        the step would miss the pages the earlier ones of them took)."""
-        worker, core = self.eng.worker, self.eng.core
-        install = worker.install_index_keys
-
-        def watched(rid, keys, capacity):
-            try:
-                return install(rid, keys, capacity)
-            except CapacityError:
-                self.refusals[rid] = {r: (core.view(r).state, len(p))
-                                      for r, p in worker.fast.keys.pages.items()}
-                raise
-        worker.install_index_keys = watched
-
-    def landing_refused(self, rid, error, positions):
-        """Only the capped index-key pool may refuse a landing, and only when the requests that
-        still live (none released: the engine gives back their pages first) held too many of
-        its pages for this one at that moment."""
-        assert "index key pages" in str(error), error
-        assert self.fast.index_pages is not None, error
-        holders = self.refusals.pop(rid)
-        assert all(s is not RequestState.RELEASED for s, _ in holders.values()), holders
-        held = sum(n for _, n in holders.values())
-        assert held + index_pages_of(positions) > self.fast.index_pages, (error, holders, positions)
-        v = self.eng.core.view(rid)
-        assert v.state is RequestState.RELEASED and v.finish_reason == "landing_failed"
-        self.failed.add(rid)
 
     @precondition(lambda self: self.eng is not None and any(
         self.eng.core.view(r).state not in DONE for r in self.requests))
@@ -320,17 +282,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.step_once()
 
     def step_once(self) -> bool:
-        eng = self.eng
-        waiting = self.live(RequestState.WAITING)
-        try:
-            stepped = eng.step()
-        except CapacityError as e:  # a waiting request's landing
-            failed = [r for r in waiting if eng.core.view(r).finish_reason == "landing_failed"]
-            assert failed, e
-            for rid in failed:  # each refused landing of the step, against its own moment
-                r = self.requests[rid]
-                self.landing_refused(rid, e, len(r["prompt"]) + r["max_new"] + 1)
-            stepped = True
+        stepped = self.eng.step()  # a landing is never refused (no CapacityError here)
         self.lockstep()
         return stepped
 
@@ -366,9 +318,7 @@ class EngineMachine(RuleBasedStateMachine):
         for rid, r in self.requests.items():
             got = eng.result(rid)
             want = until_eos(self.alone(r["prompt"], r["max_new"], r["sampling"]), r["eos"])
-            if rid in self.failed:
-                assert got == [], rid
-            elif rid in self.aborted:
+            if rid in self.aborted:
                 assert got == want[: len(got)], (rid, got, want)
             else:
                 assert got == want, (rid, r, got, want)
