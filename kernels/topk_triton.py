@@ -56,7 +56,8 @@ import triton.language as tl
 
 BLOCK = 1024  # keys per loop iteration of a program
 NUM_WARPS = 8
-MIN_CHUNK = 2048  # auto splits: the fewest keys a split-row program gets (2 loop iterations)
+MIN_CHUNK = 1024  # auto splits: the fewest keys a split-row program gets (one loop iteration)
+MAX_SPLITS = 64  # auto splits: the most chunks a row gets (the largest count the sweep timed)
 PROGRAMS_PER_SM = 4  # auto splits: aim for this many programs per SM over the batch
 
 
@@ -317,17 +318,20 @@ def _sm_count(device: torch.device) -> int:
 
 
 def auto_splits(B: int, N: int, device: torch.device) -> int:
-    """Chunks per row when ``splits=None``: ``min(cdiv(N, MIN_CHUNK), max(1, cdiv(4 * SMs, B)))``.
+    """Chunks per row when ``splits=None``:
+    ``min(cdiv(N, MIN_CHUNK), MAX_SPLITS, max(1, cdiv(4 * SMs, B)))``.
     One program per row leaves most of the GPU idle at small batch (batch 1 at 128K keys: one SM
     of the H200's 132 scanning the row 5 times); splitting until the batch has ~4 programs per
     SM (8 warps each: half an SM's warp slots) fills it, and no chunk below ``MIN_CHUNK`` keys
     keeps each program's fixed cost (the decision it advances; the split shape's six launches
     cost ~the same whatever the grid) small beside its scan. From batch ``4 * SMs`` up, or at
     most ``MIN_CHUNK`` keys, this is 1: one launch, no workspace. On an H200 (132 SMs): batch 1
-    and 8 -> ``N / 2048`` chunks (16 at 32K, 64 at 128K), batch 64 -> 9. The sweep behind these
-    constants: ``benchmarks/bench_topk_splits.py`` (BENCHMARKS.md)."""
+    and 8 -> ``N / 1024`` chunks up to 64 (32 at 32K, 64 at 64K and 128K), batch 64 -> 9. The
+    sweep behind these constants (``benchmarks/bench_topk_splits.py``, BENCHMARKS.md; H200, from
+    CUDA graphs): at 32K batch 1 / 8, 32 splits took 16.1 / 19.5 us against 20.8 / 21.6 us for
+    16 (MIN_CHUNK 2048); at 128K batch 1, 64 splits 21.2 us; more than 64 were never timed."""
     target = PROGRAMS_PER_SM * _sm_count(device)
-    return max(1, min(triton.cdiv(N, MIN_CHUNK), triton.cdiv(target, max(B, 1))))
+    return max(1, min(triton.cdiv(N, MIN_CHUNK), MAX_SPLITS, triton.cdiv(target, max(B, 1))))
 
 
 def chunk_size(N: int, splits: int) -> int:

@@ -64,8 +64,9 @@ def test_auto_splits_fill_the_gpu_at_small_batch_only():
 
     cpu = torch.device("cpu")
     picks = {(B, N): t.auto_splits(B, N, cpu) for B in (1, 8, 64) for N in (32768, 131072)}
-    assert picks == {(1, 32768): 16, (1, 131072): 64, (8, 32768): 16, (8, 131072): 64,
+    assert picks == {(1, 32768): 32, (1, 131072): 64, (8, 32768): 32, (8, 131072): 64,
                      (64, 32768): 9, (64, 131072): 9}
+    assert t.auto_splits(1, 65536, cpu) == t.MAX_SPLITS == 64 == t.auto_splits(1, 1 << 20, cpu)
     assert t.auto_splits(1, t.MIN_CHUNK, cpu) == 1 and t.auto_splits(528, 131072, cpu) == 1
     assert t.auto_splits(527, 131072, cpu) == 2
     for N in (1, 15, 16, 300, 1025, 2500, 131072, 100003):
