@@ -385,8 +385,13 @@ class ChoiceText:
 
     def push(self, item: dict) -> tuple[str, str | None]:
         """(text piece, finish reason or None: "stop" at a stop string, stop id or EOS,
-        "length" at max_new_tokens)."""
+        "length" at max_new_tokens). A choice aborted on the coordinator by someone else (this
+        front end's own aborts never come back as items) raises ``StateError``: its text is
+        cut short, and reporting "length" would pass it off as complete."""
         if "done" in item:
+            if item["finish_reason"] == "abort":
+                raise StateError(f"request {item.get('request_id', '?')} was aborted on the "
+                                 f"replica after {len(item['tokens'])} tokens")
             piece, hit = self.stops.push(self.text.flush() if self.text is not None else "")
             if not hit:
                 piece += self.stops.flush()

@@ -544,6 +544,42 @@ def test_a_client_that_leaves_before_reading_aborts_every_choice(app, stream, wh
     assert after - steps < LONG // 2, f"the choices decoded on for {after - steps} steps"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_aborted_on_the_replica_fails_its_request_and_ends_the_others(app, stream):
+    """One of two long choices is aborted on the coordinator by someone else (an operator's
+    ``abort``) while both decode: the request fails at once, a 503 JSON body or, the status
+    sent, a stream's error event and ``[DONE]``, and the other choice is aborted, every block
+    freed. It was answered as a "length" choice with its text cut short, and the request went on
+    until the other choice's 5000 tokens were decoded."""
+    handle, url, _ = app
+    coord = handle.coordinator.remote().result()
+    conn = _post(url, {"model": MODEL, "prompt": [random.Random(41).randrange(1, 96)
+                                                  for _ in range(40)],
+                       "max_tokens": LONG, "n": 2, "temperature": 0, "stream": stream})
+    try:
+        _decoding(coord, 2)
+        live = sorted(rid for rid, (k, _, done) in ray.get(coord.progress.remote()).items()
+                      if k > 0 and not done)
+        ray.get(coord.abort.remote(live[0]))
+        resp = conn.getresponse()  # unary: a socket timeout here if it waits for the other
+        if stream:
+            assert resp.status == 200
+            events, end = [], time.monotonic() + 60
+            while not events or events[-1] != "[DONE]":
+                assert time.monotonic() < end, f"the other choice went on: {events[-3:]}"
+                line = resp.fp.readline().decode().strip()
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+            err = json.loads(events[-2])["error"]
+        else:
+            assert resp.status == 503
+            err = json.loads(resp.read())["error"]
+    finally:
+        conn.close()
+    assert err["type"] == "service_unavailable" and "aborted on the replica" in err["message"]
+    _settled(handle)
+
+
 def test_a_burst_beyond_the_queue_gets_429(app):
     """24 long streams at once: those beyond max_ongoing + max_queued (6 + 10) get 429 with an
     OpenAI body naming those limits, the rest stream; everything is released afterwards."""

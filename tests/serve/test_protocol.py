@@ -280,3 +280,6 @@ def test_a_choice_text_ends_at_its_stop_string_and_reports_its_tokens():
         assert text.push(done) == ("", fin) and text.tokens == 3
     text = ChoiceText(None, ["x"])
     assert text.push({"tokens": [5, 6]}) == ("", None) and text.tokens == 2
+    with pytest.raises(StateError, match="aborted on the replica after 2 tokens"):
+        # an abort by someone else (an operator): cut short, not a "length" answer
+        ChoiceText(tok, []).push({"done": True, "tokens": [5, 6], "finish_reason": "abort"})
