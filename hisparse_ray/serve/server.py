@@ -397,10 +397,18 @@ class ChoiceText:
                 piece += self.stops.flush()
             self.tokens = len(item["tokens"])
             return piece, "stop" if hit or item["finish_reason"] in ("stop", "eos") else "length"
-        self.tokens += len(item["tokens"])
-        piece, hit = self.stops.push(self.text.push(item["tokens"])
-                                     if self.text is not None else "")
-        return piece, "stop" if hit else None
+        # token by token with stop strings: the count ends at the token that completes one,
+        # whatever number of decode steps a chunk holds (it varies with the event poll's timing)
+        tokens, out = item["tokens"], ""
+        step = 1 if self.stops.stops and self.text is not None else max(1, len(tokens))
+        for k in range(0, len(tokens), step):
+            part = tokens[k:k + step]
+            self.tokens += len(part)
+            piece, hit = self.stops.push(self.text.push(part) if self.text is not None else "")
+            out += piece
+            if hit:
+                return out, "stop"
+        return out, None
 
 
 def check_text(what: str, text: str, max_tokens: int, chars_per_token: int = 64) -> str:
