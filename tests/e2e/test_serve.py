@@ -544,6 +544,25 @@ def test_a_client_that_leaves_before_reading_aborts_every_choice(app, stream, wh
     assert after - steps < LONG // 2, f"the choices decoded on for {after - steps} steps"
 
 
+def test_bad_token_ids_name_their_field_and_prompt(app):
+    """Token ids out of the vocabulary, in a batch's second prompt or in ``stop_token_ids``, and
+    a batch prompt over the limit: 400 / 413 with ``param`` naming the field and the message
+    which prompt (the deployment's check named neither)."""
+    handle, url, _ = app
+    for body, status, param, needle in (
+            ({"prompt": [[1, 2], [3, 500]]}, 400, "prompt", "prompt[1] has token id 500"),
+            ({"prompt": [[1, 2], [3] * 1025]}, 413, "prompt", "prompt[1] has 1025 tokens"),
+            ({"prompt": [1, 2], "stop_token_ids": [96]}, 400, "stop_token_ids", "96")):
+        got, out, _ = _http(url + "/v1/completions", "POST", {"model": MODEL, **body})
+        assert got == status and out["error"]["param"] == param, (body, out)
+        assert needle in out["error"]["message"], (body, out)
+    got, out, _ = _http(url + "/v1/chat/completions", "POST", {
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "stop_token_ids": [-1]})
+    assert got == 400 and out["error"]["param"] == "stop_token_ids", out
+    _settled(handle)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_choice_aborted_on_the_replica_fails_its_request_and_ends_the_others(app, stream):
     """One of two long choices is aborted on the coordinator by someone else (an operator's
