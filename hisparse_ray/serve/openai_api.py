@@ -238,22 +238,29 @@ class OpenAIServer:
                              [e for e in echoes for _ in range(req.n)],
                              sum(len(ids) for ids in prompts))
             await answer.start()  # admitted whole, or refused here: before a status
-        except BaseException as err:  # noqa: BLE001 - mapped to a status below
-            api = self._api_error(err)
-            if api is None:
-                raise
-            return _error(api, rid)
+        except BaseException as err:  # noqa: BLE001 - mapped to a status there
+            return self._failed(err, rid)
         headers = {"x-request-id": rid}
         if req.stream:
             return _Stream(answer, headers=headers)
         try:
             body = await answer.whole()
         except BaseException as err:  # noqa: BLE001
-            api = self._api_error(err)
-            if api is None:
-                raise
-            return _error(api, rid)
+            return self._failed(err, rid)
         return JSONResponse(body, headers=headers)
+
+    def _failed(self, err: BaseException, rid: str) -> JSONResponse:
+        """A failed request's JSON error: its status, or for an error no status maps (a bug) a
+        500 with an OpenAI body, logged with its traceback (it was Starlette's plain-text 500,
+        which OpenAI clients cannot read; a stream's error event already said 500). A
+        cancellation (the client left) goes on up."""
+        api = self._api_error(err)
+        if api is None:
+            if not isinstance(err, Exception):
+                raise err
+            log.error("request %s failed", rid, exc_info=err)
+            api = P.ApiError(500, repr(err), "server_error")
+        return _error(api, rid)
 
     def _api_error(self, err: BaseException) -> P.ApiError | None:
         """``P.api_error``, with a full queue's 429 naming the limits it hit."""
