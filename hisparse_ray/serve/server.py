@@ -210,6 +210,10 @@ class HiSparseServer:
         finally:  # an error, or the caller left: the other choices end upstream (aborted)
             for t in tasks:
                 t.cancel()
+            # A task cancelled before it first ran never runs its body (nor ``_follow``'s abort):
+            # forget every choice here too. A finished one has no waiter left: a no-op.
+            for rid, _, _ in started:
+                self.hub.forget(rid, abort=True)
 
     async def _choice(self, i: int, rid: str, w, extra: dict, stop: list[str],
                       timeout_s: float | None, out: asyncio.Queue) -> None:
