@@ -10,9 +10,10 @@ other path is 404 and a wrong method 405, both with OpenAI-style error bodies
 Per request, in this order, each step before any work of the next: the API key (401), the body
 size from ``Content-Length`` and while reading (413, the body is never read past the cap), JSON
 and parameters (400 naming the parameter), the model id (404), the prompt's characters (413
-before tokenizing) and text (a lone surrogate: 400), tokenizing (off the event loop), then the
-request goes to the HiSparse deployment as token ids in ONE call for all its choices (a batch
-of prompts x ``n``: ``HiSparseServer.generate_choices``), so Serve's ``max_ongoing_requests``
+before tokenizing) and text (a lone surrogate: 400), tokenizing (off the event loop), the token
+ids (the vocabulary, ``max_prompt_tokens``: 400 / 413 naming the field), then the request goes
+to the HiSparse deployment as token ids in ONE call for all its choices (a batch of prompts x
+``n``: ``HiSparseServer.generate_choices``), so Serve's ``max_ongoing_requests``
 / ``max_queued_requests`` count it once and admit or refuse it whole (429 naming the limits);
 an engine request per choice runs there. The status line goes out once every choice is
 admitted (a stream's 200 and SSE headers do not wait for a token; an error before that is a
@@ -80,6 +81,7 @@ class OpenAIServer:
         self.model_id = P.model_id(options)
         self.tokenizer = replica_spec.model.tokenizer()
         self.max_prompt_tokens = prefill_spec.max_prompt_tokens
+        self.vocab_size = int(replica_spec.model.dsa_config().vocab_size)
         self.created = P.now()
 
     # -- the door ----------------------------------------------------------------------------
@@ -126,6 +128,25 @@ class OpenAIServer:
         if len(text) <= TOKENIZE_INLINE_CHARS:
             return fn(arg)
         return await asyncio.to_thread(fn, arg)
+
+    def _check_ids(self, prompts: list[list[int]], what: str, stops: list[int] | None) -> None:
+        """Every prompt's length and token ids, and the stop ids: 413 / 400 naming the field
+        (and which prompt of a batch) here, before the request takes a place in Serve's queue
+        (the deployment checks them again, naming no field)."""
+        for i, ids in enumerate(prompts):
+            where = f"{what}[{i}]" if len(prompts) > 1 else what
+            if len(ids) > self.max_prompt_tokens:
+                raise P.ApiError(413, f"{where} has {len(ids)} tokens; at most "
+                                      f"{self.max_prompt_tokens} prompt tokens", param=what,
+                                 code="request_too_large")
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise P.ApiError(400, f"{where} has token id {bad}, not in "
+                                      f"[0, {self.vocab_size})", param=what)
+        bad = next((t for t in stops or () if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise P.ApiError(400, f"stop_token_ids: stop token id {bad} is not in "
+                                  f"[0, {self.vocab_size})", param="stop_token_ids")
 
     def _echo(self, prompt: str | list[int]) -> str:
         """A prompt as ``echo`` returns it: the text as sent, token ids decoded."""
@@ -206,6 +227,7 @@ class OpenAIServer:
                 prompts = [await self._encode(p, "prompt") if isinstance(p, str) else list(p)
                            for p in given]
                 echoes = [self._echo(p) if req.echo else "" for p in given]
+            self._check_ids(prompts, "messages" if chat else "prompt", req.stop_token_ids)
             stops = list(req.stop_token_ids or ())
             if not req.ignore_eos and self.tokenizer is not None:
                 stops += list(getattr(self.tokenizer, "eos_token_ids", ()))
@@ -216,22 +238,29 @@ class OpenAIServer:
                              [e for e in echoes for _ in range(req.n)],
                              sum(len(ids) for ids in prompts))
             await answer.start()  # admitted whole, or refused here: before a status
-        except BaseException as err:  # noqa: BLE001 - mapped to a status below
-            api = self._api_error(err)
-            if api is None:
-                raise
-            return _error(api, rid)
+        except BaseException as err:  # noqa: BLE001 - mapped to a status there
+            return self._failed(err, rid)
         headers = {"x-request-id": rid}
         if req.stream:
             return _Stream(answer, headers=headers)
         try:
             body = await answer.whole()
         except BaseException as err:  # noqa: BLE001
-            api = self._api_error(err)
-            if api is None:
-                raise
-            return _error(api, rid)
+            return self._failed(err, rid)
         return JSONResponse(body, headers=headers)
+
+    def _failed(self, err: BaseException, rid: str) -> JSONResponse:
+        """A failed request's JSON error: its status, or for an error no status maps (a bug) a
+        500 with an OpenAI body, logged with its traceback (it was Starlette's plain-text 500,
+        which OpenAI clients cannot read; a stream's error event already said 500). A
+        cancellation (the client left) goes on up."""
+        api = self._api_error(err)
+        if api is None:
+            if not isinstance(err, Exception):
+                raise err
+            log.error("request %s failed", rid, exc_info=err)
+            api = P.ApiError(500, repr(err), "server_error")
+        return _error(api, rid)
 
     def _api_error(self, err: BaseException) -> P.ApiError | None:
         """``P.api_error``, with a full queue's 429 naming the limits it hit."""

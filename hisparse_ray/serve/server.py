@@ -210,6 +210,10 @@ class HiSparseServer:
         finally:  # an error, or the caller left: the other choices end upstream (aborted)
             for t in tasks:
                 t.cancel()
+            # A task cancelled before it first ran never runs its body (nor ``_follow``'s abort):
+            # forget every choice here too. A finished one has no waiter left: a no-op.
+            for rid, _, _ in started:
+                self.hub.forget(rid, abort=True)
 
     async def _choice(self, i: int, rid: str, w, extra: dict, stop: list[str],
                       timeout_s: float | None, out: asyncio.Queue) -> None:
@@ -385,17 +389,30 @@ class ChoiceText:
 
     def push(self, item: dict) -> tuple[str, str | None]:
         """(text piece, finish reason or None: "stop" at a stop string, stop id or EOS,
-        "length" at max_new_tokens)."""
+        "length" at max_new_tokens). A choice aborted on the coordinator by someone else (this
+        front end's own aborts never come back as items) raises ``StateError``: its text is
+        cut short, and reporting "length" would pass it off as complete."""
         if "done" in item:
+            if item["finish_reason"] == "abort":
+                raise StateError(f"request {item.get('request_id', '?')} was aborted on the "
+                                 f"replica after {len(item['tokens'])} tokens")
             piece, hit = self.stops.push(self.text.flush() if self.text is not None else "")
             if not hit:
                 piece += self.stops.flush()
             self.tokens = len(item["tokens"])
             return piece, "stop" if hit or item["finish_reason"] in ("stop", "eos") else "length"
-        self.tokens += len(item["tokens"])
-        piece, hit = self.stops.push(self.text.push(item["tokens"])
-                                     if self.text is not None else "")
-        return piece, "stop" if hit else None
+        # token by token with stop strings: the count ends at the token that completes one,
+        # whatever number of decode steps a chunk holds (it varies with the event poll's timing)
+        tokens, out = item["tokens"], ""
+        step = 1 if self.stops.stops and self.text is not None else max(1, len(tokens))
+        for k in range(0, len(tokens), step):
+            part = tokens[k:k + step]
+            self.tokens += len(part)
+            piece, hit = self.stops.push(self.text.push(part) if self.text is not None else "")
+            out += piece
+            if hit:
+                return out, "stop"
+        return out, None
 
 
 def check_text(what: str, text: str, max_tokens: int, chars_per_token: int = 64) -> str:

@@ -544,6 +544,119 @@ def test_a_client_that_leaves_before_reading_aborts_every_choice(app, stream, wh
     assert after - steps < LONG // 2, f"the choices decoded on for {after - steps} steps"
 
 
+def _stopped(text: str, stops: list[str]) -> tuple[str, int | None]:
+    """(text before the first stop string to complete, characters up to its end; None: no stop
+    string in ``text``): what a choice answers, the tiny model's tokens being one character."""
+    hits = [(i + len(s), -len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return text, None
+    end, _, start = min(hits)
+    return text[:start], end
+
+
+def test_batch_x_n_choices_with_stop_strings_finish_each_on_its_own(app):
+    """Two prompts x n=3, seeded: stop strings (one char, two chars spanning tokens, one that
+    is some choice's first token) end only the choices that produce them ("stop", text cut
+    before it) while the others run to max_tokens ("length"); index = prompt * n + j,
+    streamed or not; usage counts each prompt once and each choice's tokens up to the one
+    completing its stop string, in the stream's include_usage chunk too. max_tokens=1 and a
+    chat stream of n=2 with include_usage count one token per choice."""
+    from hisparse_ray.model.tokenizer import ByteTokenizer
+
+    handle, _, client = app
+    ids = [[11, 12, 13, 14, 15], [40, 41, 42]]
+    kw = dict(model=MODEL, prompt=ids, n=3, max_tokens=6, temperature=0.9, seed=77)
+    free = [c.text for c in client.completions.create(**kw).choices]
+    stops = [free[0][3], free[1][1:3], free[2][0]]
+    want = [_stopped(t, stops) for t in free]
+    assert {end is None for _, end in want} == {True, False}, (free, stops)
+    out = client.completions.create(**kw, stop=stops)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [(c.text, c.finish_reason) for c in out.choices] == \
+        [(t, "length" if end is None else "stop") for t, end in want]
+    tokens = sum(6 if end is None else end for _, end in want)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (8, tokens)
+    chunks = list(client.completions.create(**kw, stop=stops, stream=True,
+                                            stream_options={"include_usage": True}))
+    got, fins = [""] * 6, [None] * 6
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        assert fins[choice.index] is None, "a chunk after its choice's finish"
+        got[choice.index] += choice.text
+        fins[choice.index] = choice.finish_reason
+    assert list(zip(got, fins)) == [(c.text, c.finish_reason) for c in out.choices]
+    assert chunks[-1].usage.completion_tokens == tokens and not chunks[-1].choices
+
+    one = client.completions.create(model=MODEL, prompt=ids, n=2, max_tokens=1, temperature=0)
+    assert [len(c.text) for c in one.choices] == [1] * 4
+    assert {c.finish_reason for c in one.choices} == {"length"}
+    assert one.usage.completion_tokens == 4
+    messages = [{"role": "user", "content": "hi"}]
+    deltas = list(client.chat.completions.create(model=MODEL, messages=messages, n=2,
+                                                 max_tokens=1, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    use = deltas[-1].usage
+    assert not deltas[-1].choices and use.completion_tokens == 2
+    assert use.prompt_tokens == len(ByteTokenizer().encode_chat(messages))
+    assert sorted(d.choices[0].index for d in deltas[:-1] if d.choices[0].finish_reason) == [0, 1]
+    _settled(handle)
+
+
+def test_bad_token_ids_name_their_field_and_prompt(app):
+    """Token ids out of the vocabulary, in a batch's second prompt or in ``stop_token_ids``, and
+    a batch prompt over the limit: 400 / 413 with ``param`` naming the field and the message
+    which prompt (the deployment's check named neither)."""
+    handle, url, _ = app
+    for body, status, param, needle in (
+            ({"prompt": [[1, 2], [3, 500]]}, 400, "prompt", "prompt[1] has token id 500"),
+            ({"prompt": [[1, 2], [3] * 1025]}, 413, "prompt", "prompt[1] has 1025 tokens"),
+            ({"prompt": [1, 2], "stop_token_ids": [96]}, 400, "stop_token_ids", "96")):
+        got, out, _ = _http(url + "/v1/completions", "POST", {"model": MODEL, **body})
+        assert got == status and out["error"]["param"] == param, (body, out)
+        assert needle in out["error"]["message"], (body, out)
+    got, out, _ = _http(url + "/v1/chat/completions", "POST", {
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "stop_token_ids": [-1]})
+    assert got == 400 and out["error"]["param"] == "stop_token_ids", out
+    _settled(handle)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_aborted_on_the_replica_fails_its_request_and_ends_the_others(app, stream):
+    """One of two long choices is aborted on the coordinator by someone else (an operator's
+    ``abort``) while both decode: the request fails at once, a 503 JSON body or, the status
+    sent, a stream's error event and ``[DONE]``, and the other choice is aborted, every block
+    freed. It was answered as a "length" choice with its text cut short, and the request went on
+    until the other choice's 5000 tokens were decoded."""
+    handle, url, _ = app
+    coord = handle.coordinator.remote().result()
+    conn = _post(url, {"model": MODEL, "prompt": [random.Random(41).randrange(1, 96)
+                                                  for _ in range(40)],
+                       "max_tokens": LONG, "n": 2, "temperature": 0, "stream": stream})
+    try:
+        _decoding(coord, 2)
+        live = sorted(rid for rid, (k, _, done) in ray.get(coord.progress.remote()).items()
+                      if k > 0 and not done)
+        ray.get(coord.abort.remote(live[0]))
+        resp = conn.getresponse()  # unary: a socket timeout here if it waits for the other
+        if stream:
+            assert resp.status == 200
+            events, end = [], time.monotonic() + 60
+            while not events or events[-1] != "[DONE]":
+                assert time.monotonic() < end, f"the other choice went on: {events[-3:]}"
+                line = resp.fp.readline().decode().strip()
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+            err = json.loads(events[-2])["error"]
+        else:
+            assert resp.status == 503
+            err = json.loads(resp.read())["error"]
+    finally:
+        conn.close()
+    assert err["type"] == "service_unavailable" and "aborted on the replica" in err["message"]
+    _settled(handle)
+
+
 def test_a_burst_beyond_the_queue_gets_429(app):
     """24 long streams at once: those beyond max_ongoing + max_queued (6 + 10) get 429 with an
     OpenAI body naming those limits, the rest stream; everything is released afterwards."""

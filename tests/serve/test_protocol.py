@@ -272,7 +272,11 @@ def test_a_choice_text_ends_at_its_stop_string_and_reports_its_tokens():
     tok = ByteTokenizer()
     text = ChoiceText(tok, ["cd"])
     assert text.push({"tokens": tok.encode("abc")}) == ("ab", None)  # "c" may begin "cd"
-    assert text.push({"tokens": tok.encode("dxy")}) == ("", "stop") and text.tokens == 6
+    # the count ends at the token completing the stop string ("d", the 4th), not the chunk's
+    # end: a chunk holds as many decode steps as the event poll gathered (it was 6 here)
+    assert text.push({"tokens": tok.encode("dxy")}) == ("", "stop") and text.tokens == 4
+    text = ChoiceText(tok, ["b", "zz"])
+    assert text.push({"tokens": tok.encode("abcd")}) == ("a", "stop") and text.tokens == 2
     for reason, fin in (("length", "length"), ("eos", "stop"), ("stop", "stop")):
         text = ChoiceText(tok, [])
         assert text.push({"tokens": tok.encode("hi!")}) == ("hi!", None)
@@ -280,3 +284,6 @@ def test_a_choice_text_ends_at_its_stop_string_and_reports_its_tokens():
         assert text.push(done) == ("", fin) and text.tokens == 3
     text = ChoiceText(None, ["x"])
     assert text.push({"tokens": [5, 6]}) == ("", None) and text.tokens == 2
+    with pytest.raises(StateError, match="aborted on the replica after 2 tokens"):
+        # an abort by someone else (an operator): cut short, not a "length" answer
+        ChoiceText(tok, []).push({"done": True, "tokens": [5, 6], "finish_reason": "abort"})
