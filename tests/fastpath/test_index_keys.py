@@ -80,7 +80,8 @@ def test_fp8_pool_matches_deepgemm_formula_on_dequantized_keys(model):
     for b, k in enumerate(keys):
         k8, ks = quantize_fp8(k, D)
         want = fp8_scores(q8[b: b + 1], wq[b: b + 1], k8[None], ks[None, :, 0])[0]
-        assert torch.equal(got[b, : len(k)], want)
+        # a batch of 2 vs 1 row: the matmul's blocking may round differently (AVX-512: 1 ulp)
+        torch.testing.assert_close(got[b, : len(k)], want, rtol=1e-6, atol=1e-6)
         assert (got[b, len(k):] == float("-inf")).all()
     # and it approximates the exact indexer scores (fp8 keys and queries: a few percent)
     exact = ix.scores(q[:, None], w[:, None], torch.stack([torch.nn.functional.pad(

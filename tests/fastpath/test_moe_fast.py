@@ -38,7 +38,8 @@ def test_every_expert_matches_the_reference_and_ignores_batch_mates(moe_model, n
         weights, chosen = moe.gate(x)
         got = every_expert(moe.experts, x, weights, chosen)
         want = moe.experts(x, weights, chosen)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        # fp32 sums in another order (all experts at once vs each expert's rows): 1.5e-6 seen
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
         # row 0 beside other batch mates (same batch shape): the same bits
         y = torch.randn(n, x.shape[1], generator=g)
         y[0] = x[0]
