@@ -350,20 +350,26 @@ class _Answer:
     async def events(self):
         model, rid, created = self.server.model_id, self.rid, self.created
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+        def sse(chunk: dict) -> str:  # with include_usage every chunk has "usage" (null until
+            if include_usage:          # the last one), as OpenAI sends them
+                chunk.setdefault("usage", None)
+            return P.sse(chunk)
+
         try:
             if self.chat:
                 for i in range(len(self.choices)):
-                    yield P.sse(P.chat_chunk(rid, model, {"role": "assistant", "content": ""},
-                                             None, None, created, i))
+                    yield sse(P.chat_chunk(rid, model, {"role": "assistant", "content": ""},
+                                           None, None, created, i))
             async for i, piece, fin in self._merged():
                 if self.chat:
                     if piece:
-                        yield P.sse(P.chat_chunk(rid, model, {"content": piece}, None, None,
-                                                 created, i))
+                        yield sse(P.chat_chunk(rid, model, {"content": piece}, None, None,
+                                               created, i))
                     if fin is not None:
-                        yield P.sse(P.chat_chunk(rid, model, {}, fin, None, created, i))
+                        yield sse(P.chat_chunk(rid, model, {}, fin, None, created, i))
                 else:
-                    yield P.sse(P.completion_chunk(rid, model, piece, fin, None, created, i))
+                    yield sse(P.completion_chunk(rid, model, piece, fin, None, created, i))
             if include_usage:
                 chunk = P.chat_chunk if self.chat else P.completion_chunk
                 yield P.sse(chunk(rid, model, None, None, self._usage(), created))

@@ -270,6 +270,15 @@ def test_batched_prompts_and_n_choices(app):
     for i in range(3):
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
                        if e["choices"][0]["index"] == i) == answer
+    assert all("usage" not in e for e in events)  # not asked for: no usage key at all
+    status, lines = _sse(url + "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2,
+        "max_completion_tokens": 3, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}})
+    events = [json.loads(x) for x in lines[:-1]]
+    assert status == 200 and lines[-1] == "[DONE]"
+    assert all(e["usage"] is None for e in events[:-1]), events  # OpenAI: null until the last
+    assert events[-1]["usage"]["completion_tokens"] == 6 and events[-1]["choices"] == []
     _settled(handle)
 
 
