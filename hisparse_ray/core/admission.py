@@ -47,11 +47,12 @@ def pools_that_fit(cfg: CoordinatorConfig, rid: object, prompt_len: int,
                    max_new: int) -> tuple[bool, bool]:
     """``(resident_ever, host_ever)``: whether the request's whole life fits the empty device
     pool, and the empty host tier; CapacityError naming its size and the pools when neither."""
-    if cfg.index_pages is not None and index_pages_of(cfg, prompt_len, max_new) > cfg.index_pages:
+    index_need = index_pages_of(cfg, prompt_len, max_new)
+    if cfg.index_pages is not None and index_need > cfg.index_pages:
         raise CapacityError(
             f"request {rid!r} ({prompt_len} prompt + {max_new} new tokens) needs more index-key "
             f"pages of {cfg.index_page_tokens} positions than the capped pool holds; pages",
-            index_pages_of(cfg, prompt_len, max_new), cfg.index_pages)
+            index_need, cfg.index_pages)
     life = cfg.pages_for(prompt_len + max_new - 1)
     resident_ever = life <= cfg.num_device_blocks
     host_ever = cfg.host_tier and life <= cfg.num_host_blocks
@@ -73,15 +74,20 @@ def index_pages_of(cfg: CoordinatorConfig, prompt_len: int, max_new: int) -> int
     return -(-max(prompt_len + max_new, 1) // cfg.index_page_tokens)
 
 
+def index_pages_held(cfg: CoordinatorConfig, requests: Iterable[Request]) -> int:
+    """Index-key pages the landed requests not yet released hold. (The worker learns of a
+    release from the next command; the engine gives a released request's pages back before a
+    landing, so released requests hold none here.)"""
+    return sum(index_pages_of(cfg, r.prompt_len, r.max_new_tokens) for r in requests
+               if r.state in _HOLDS_INDEX_PAGES)
+
+
 def index_pages_short(cfg: CoordinatorConfig, requests: Iterable[Request], req: Request) -> bool:
     """Whether a capped index-key pool (``CoordinatorConfig.index_pages``) lacks room for ``req``
-    now: the pages of every landed request not yet released, plus ``req``'s, exceed the cap.
-    (The worker learns of a release from the next command; the engine gives a released
-    request's pages back before a landing, so released requests hold none here.)"""
+    now: the pages :func:`index_pages_held` counts, plus ``req``'s, exceed the cap."""
     if cfg.index_pages is None:
         return False
-    held = sum(index_pages_of(cfg, r.prompt_len, r.max_new_tokens) for r in requests
-               if r.state in _HOLDS_INDEX_PAGES)
+    held = index_pages_held(cfg, requests)
     return held + index_pages_of(cfg, req.prompt_len, req.max_new_tokens) > cfg.index_pages
 
 

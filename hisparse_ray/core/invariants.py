@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from hisparse_ray.core.admission import index_pages_of
+from hisparse_ray.core.admission import index_pages_held
 from hisparse_ray.core.request import Conversion, TransferOp
 from hisparse_ray.core.reservations import obligations, resident_bound
 from hisparse_ray.types import LandingTarget, RequestState
@@ -32,8 +32,7 @@ def check_coordinator(c: "Coordinator") -> None:
     cfg = c.config
     ps = cfg.page_size
     if cfg.index_pages is not None:  # a capped index-key pool: landings never over-commit it
-        held = sum(index_pages_of(cfg, r.prompt_len, r.max_new_tokens) for r in c._requests.values()
-                   if r.state in (RequestState.LANDING, RequestState.RUNNING, RequestState.FINISHED))
+        held = index_pages_held(cfg, c._requests.values())
         assert held <= cfg.index_pages, f"index-key pages over-committed: {held} > {cfg.index_pages}"
 
     live = [r.handle for r in c._requests.values() if r.handle is not None]

@@ -133,17 +133,20 @@ class OpenAIServer:
         """Every prompt's length and token ids, and the stop ids: 413 / 400 naming the field
         (and which prompt of a batch) here, before the request takes a place in Serve's queue
         (the deployment checks them again, naming no field)."""
+        def outside(ids) -> int | None:  # the first id outside the vocabulary
+            return next((t for t in ids if not 0 <= t < self.vocab_size), None)
+
         for i, ids in enumerate(prompts):
             where = f"{what}[{i}]" if len(prompts) > 1 else what
             if len(ids) > self.max_prompt_tokens:
                 raise P.ApiError(413, f"{where} has {len(ids)} tokens; at most "
                                       f"{self.max_prompt_tokens} prompt tokens", param=what,
                                  code="request_too_large")
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            bad = outside(ids)
             if bad is not None:
                 raise P.ApiError(400, f"{where} has token id {bad}, not in "
                                       f"[0, {self.vocab_size})", param=what)
-        bad = next((t for t in stops or () if not 0 <= t < self.vocab_size), None)
+        bad = outside(stops or ())
         if bad is not None:
             raise P.ApiError(400, f"stop_token_ids: stop token id {bad} is not in "
                                   f"[0, {self.vocab_size})", param="stop_token_ids")

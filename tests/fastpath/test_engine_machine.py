@@ -98,7 +98,6 @@ class EngineMachine(RuleBasedStateMachine):
         self.requests: dict[str, dict] = {}  # rid -> what it was added with (admitted ones)
         self.refused: set[str] = set()  # refused at admission: fit no empty pool
         self.aborted: set[str] = set()
-        self.counts = dict(twin_rows=0, restores=0)
         self.rids = iter(f"r{i}" for i in range(10**6))
         self.heads = [torch.randint(0, VOCAB, (self.H + ps,),
                                     generator=torch.Generator().manual_seed(ps * 7 + mb)).tolist()]
@@ -135,7 +134,6 @@ class EngineMachine(RuleBasedStateMachine):
             assert torch.equal(logits, want), [(r.request_id, r.seq_len) for r in rows]
             got = [eng.core.view(r.request_id).tokens[r.seq_len] for r in rows]
             assert got == tokens, (rows, got, tokens)
-            self.counts["twin_rows"] += len(rows)
 
     # -- rules ------------------------------------------------------------------------------------
     def live(self, *states) -> list[str]:
@@ -265,7 +263,6 @@ class EngineMachine(RuleBasedStateMachine):
             assert (eng.core.counters, eng.core.view(rid)) == before
             return False
         if eng.core.restore(rid):
-            self.counts["restores"] += 1
             assert eng.core.counters.device_blocks_used > before[0].device_blocks_used
             return True
         assert (eng.core.counters, eng.core.view(rid)) == before
