@@ -23,6 +23,9 @@
 #                                          # side stream under random delays among them), TPOT with
 #                                          # overlap_resolve off / on (bench_overlap.py, 32K + 128K),
 #                                          # and the batch-1 32K step profiled with everything on
+#   bash benchmarks/fast_gpu.sh lookahead  # < 9 min: the step pipeline's gpu test (bit-identical with
+#                                          # the GPU lagging), then bench_lookahead.py: the engine's
+#                                          # ms/step with EngineConfig.lookahead off / on, 61 layers
 #   bash benchmarks/fast_gpu.sh final      # < 6.5 min: fast-path + exactness gpu tests, 32K + 128K
 #                                          # capacity (few steps) and a 16K prefill, time-boxed each
 # Carry .device-wheels/kernels (sglang-kernel 0.4.6, sgl-deep-gemm, apache-tvm-ffi).
@@ -61,6 +64,16 @@ case "${1:-check}" in
       --out "$OUT" > "$OUT/capacity_smoke.log" 2>&1
     echo "bench rc=$?"
     tail -25 "$OUT/capacity_smoke.log"
+    ;;
+  lookahead)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -s -rA tests/fastpath/test_fast_gpu.py \
+      -k "lookahead or one_bucket" > "$OUT/lookahead_tests.log" 2>&1
+    echo "pytest rc=$?"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error" "$OUT/lookahead_tests.log" | tail -12
+    timeout 380 python3 benchmarks/bench_lookahead.py --layers 61 --context 4096 --batches 1 4 16 \
+      --repeats 1 --out "$OUT" > "$OUT/bench_lookahead.log" 2>&1
+    echo "bench rc=$?"
+    tail -12 "$OUT/bench_lookahead.log"
     ;;
   actors)
     timeout 380 python3 -m pytest -q -p no:cacheprovider -s -rA --durations=0 \

@@ -55,6 +55,14 @@ class EngineConfig:
     fast_path: decode through the fast step (:mod:`hisparse_ray.fastpath`: batched, paged GPU
         index keys, FlashMLA / DeepGEMM where they run, CUDA graphs per bucket); None = the
         reference path. Its largest bucket must hold ``max_batch``.
+    lookahead: pipeline the steps one deep: the host takes and launches step N + 1 before it
+        reads step N's tokens, so its work (applying report N, building command N + 1, filling
+        the inputs) runs while the GPU computes. Greedy requests chain (``Coordinator.admit
+        (chain=True)``: a row's input is read on the device from the step before); a step with a
+        row sampling on the host (temperature > 0) is finished before the next one is taken. The
+        tokens are those of ``lookahead=False``; a step that finds eos was already followed by
+        one more row of its request, whose output is dropped. Pays on the GPU's fast path only
+        (elsewhere a step runs to the end when launched).
     device: "cpu", "cuda" or "cuda:N". backend: the resolver's ("auto", "cuda", "torch").
     Every field is checked at construction (ConfigError naming it); ``Engine`` then checks the
     HiSparse config against the model (``HiSparseConfig.check_model``).
@@ -71,6 +79,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     device_pool_gib: float | None = None
     fast_path: FastPathConfig | None = None
+    lookahead: bool = False
 
     def __post_init__(self) -> None:
         check_type("hisparse", self.hisparse, HiSparseConfig)
@@ -81,6 +90,7 @@ class EngineConfig:
             raise ConfigError("device", self.device, "must be 'cpu', 'cuda' or 'cuda:N'")
         check_choice("backend", self.backend, ("auto", "cuda", "torch"))
         check_bool("batch_invariant", self.batch_invariant)
+        check_bool("lookahead", self.lookahead)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_DTYPES))
         check_optional_number("device_pool_gib", self.device_pool_gib, lo=0, lo_open=True,
                               why="GiB")
@@ -181,6 +191,8 @@ class Engine:
             raise
         self._pending: dict[RequestId, _Pending] = {}
         self._known: dict[RequestId, _Pending] = {}
+        self._chain: set[RequestId] = set()  # requests that chain (lookahead, greedy)
+        self._inflight = None  # the launched step not finished yet (lookahead)
         self.steps = 0
         # prefill_hook(request_id, layer, topk) may record or replace a prefill's top-k (tests, tools)
         self.prefill_hook: Any = None
@@ -204,8 +216,12 @@ class Engine:
         if fast is not None and len(p.prompt) + max_new_tokens > fast.max_context:
             raise CapacityError(f"positions of request {rid!r} (fast_path.max_context)",
                                 len(p.prompt) + max_new_tokens, fast.max_context)
-        adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id)  # validates first
+        chain = self.config.lookahead and (sampling is None or sampling.temperature <= 0)
+        adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id,
+                              chain=chain)  # validates first
         self._known[rid] = p
+        if chain:
+            self._chain.add(rid)
         self.worker.set_sampling(rid, sampling or SamplingParams())
         if adm is not None:
             self._land(adm)
@@ -284,19 +300,43 @@ class Engine:
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Admit what fits, run one decode step. False when nothing could be done."""
+        """Admit what fits, run one decode step. False when nothing could be done.
+
+        With ``lookahead`` the step is launched and left in flight; the previous one is finished
+        (its tokens applied) after that launch, so ``result`` may lag one step behind until
+        ``run`` returns or ``done`` holds."""
+        if self._inflight is not None and not self._chains(self._inflight):
+            self._finish_inflight()  # a host-sampled token feeds the next step
         self._land_all(self.core.poll_waiting())
         cmd = self.core.take_command()
         if cmd is None:
-            return False
+            return self._finish_inflight()
         with torch.no_grad():
-            report = self.worker.execute(cmd)
-        self.core.apply_report(report)
+            launched = self.worker.launch(cmd)
         self.steps += 1
+        self._finish_inflight()
+        if self.config.lookahead:
+            self._inflight = launched
+        else:
+            self.core.apply_report(self.worker.finish(launched))
+        return True
+
+    def _chains(self, launched) -> bool:
+        """Whether every row of a launched step may be followed before it is finished."""
+        return all(r.request_id in self._chain for r in launched.rows)
+
+    def _finish_inflight(self) -> bool:
+        """Finish the step in flight, if any (True then)."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return False
+        self.core.apply_report(self.worker.finish(launched))
         return True
 
     @property
     def done(self) -> bool:
+        if self._inflight is not None:
+            return False
         return all(self.core.view(r).state in (RequestState.FINISHED, RequestState.RELEASED)
                    for r in self._known)
 
@@ -319,6 +359,9 @@ class Engine:
 
     def close(self) -> None:
         try:
+            if self._inflight is not None:
+                launched, self._inflight = self._inflight, None
+                self.worker.finish(launched)  # its outputs are dropped; its copies drain
             self.worker.close()
         finally:
             self.pool.destroy()

@@ -102,12 +102,16 @@ class BatchRow(_Wire):
     hot_blocks: a diff: the device blocks of the request's hot buffer (``()`` for a fully resident
         request) when they changed since the request's previous row (always in its first row),
         ``None`` when unchanged.
+    prev_row: -1, or a chained row (``Coordinator.admit(chain=True)``): its input is the token
+        that row ``prev_row`` of the previous command samples (``input_token`` is then 0; the
+        worker reads it where it was sampled, on the device on the fast path).
     """
 
     handle: int
     seq_len: int
     input_token: int
     hot_blocks: tuple[DeviceBlockId, ...] | None = None
+    prev_row: int = -1
 
 
 class StepCommand(_Wire, tag=1):
@@ -256,6 +260,9 @@ class CoordinatorCounters:
     published_pages: int = 0
     evictions: int = 0
     stalls: int = 0  # batch slots skipped because a pool had no block for the next page
+    chained_rows: int = 0  # rows emitted before their input token was known (admit(chain=True))
+    dropped_rows: int = 0  # rows whose token was dropped: their request finished (eos of the
+    # step before a chained row, or an abort) while their step was in flight
     device_blocks_total: int = 0
     device_blocks_used: int = 0
     host_blocks_total: int = 0

@@ -35,15 +35,15 @@ from collections.abc import Sequence
 
 from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.core.admission import (
-    MAX_TOKEN, fit, index_pages_short, land, match_prefix, pools_that_fit, validate_request,
+    fit, index_pages_short, land, match_prefix, pools_that_fit, validate_request,
 )
 from hisparse_ray.core.invariants import check_coordinator
+from hisparse_ray.core.reports import check_report
 from hisparse_ray.core.request import Conversion, Page, Request, TransferOp
 from hisparse_ray.core.reservations import Room, life_pages, resident_backing, room
 from hisparse_ray.core.residency import Residency
 from hisparse_ray.errors import (
-    DoubleFreeError, DuplicateRequestError, InvalidRequestError, StateError,
-    UnknownRankError, UnknownRequestError, UnknownTransferError,
+    DoubleFreeError, DuplicateRequestError, InvalidRequestError, StateError, UnknownRequestError,
 )
 from hisparse_ray.types import (
     Admission, Backup, BatchRow, CoordinatorCounters, LandingTarget, PageTransfer, RequestHandle,
@@ -88,8 +88,14 @@ class Coordinator:
 
     # -- admission ---------------------------------------------------------------------------------
     def admit(self, request_id: RequestId, prompt_tokens: Sequence[int], max_new_tokens: int,
-              eos_token_id: int | None = None) -> Admission | None:
+              eos_token_id: int | None = None, *, chain: bool = False) -> Admission | None:
         """Admit a request; returns its landing plan, or None when it waits (see class doc).
+
+        chain: the request's next row may be emitted while its previous step is in flight (one
+        step ahead: the caller takes command N + 1 before applying report N); the row then names
+        its input as ``prev_row``, the token its row of the previous command samples, which the
+        worker reads on the device (greedy requests only: a token sampled on the host from the
+        logits is not there yet). See :meth:`take_command`.
 
         Raises DuplicateRequestError, InvalidRequestError, or CapacityError when the request
         could never fit (its life exceeds the device pool and host tier alike)."""
@@ -98,8 +104,10 @@ class Coordinator:
         tokens = validate_request(request_id, prompt_tokens, max_new_tokens, eos_token_id)
         resident_ever, host_ever = pools_that_fit(self.config, request_id, len(tokens),
                                                   max_new_tokens)
+        if not isinstance(chain, bool):
+            raise InvalidRequestError(request_id, f"chain={chain!r} must be a bool")
         req = Request(RequestId(request_id), tokens, len(tokens), max_new_tokens, eos_token_id,
-                      LandingTarget.RESIDENT, LandingTarget.RESIDENT)
+                      LandingTarget.RESIDENT, LandingTarget.RESIDENT, chain=chain)
         req.written = len(tokens) - 1
         matched = match_prefix(self.res, req)
         how = None
@@ -171,7 +179,13 @@ class Coordinator:
         send. Eligible requests: RUNNING, stable tier, no page transfer in flight, previous token
         sampled; admission order, at most ``max_batch``. Requests are named by integer handles
         (defined in the command that first names them, freed after the one that releases them);
-        hot buffers travel only when they changed."""
+        hot buffers travel only when they changed.
+
+        A chained request (``admit(chain=True)``) is also eligible while its row of the previous
+        command is in flight (never two steps ahead, never past ``max_new_tokens``): its row
+        carries ``prev_row``, its row index in that command, instead of the token. If that step
+        samples eos, the chained row ran for nothing: its token is dropped and the request
+        released once both reports are in (the rule aborts follow)."""
         cfg, res = self.config, self.res
         step = self._step + 1
         for req in self._requests.values():
@@ -213,13 +227,16 @@ class Coordinator:
                 p = res.emit_backup(req, i)
                 backups.append(Backup(p.tid, h, pos, p.host_block, pos % cfg.page_size))
             hot = tuple(req.hot) if req.tier is LandingTarget.HOST else ()
-            if hot == req.sent_hot:
-                batch.append(BatchRow(h, pos + 1, req.tokens[pos]))
+            new_hot = None if hot == req.sent_hot else hot
+            req.sent_hot = hot
+            if req.awaiting:  # chained: its input is what its row of the previous command samples
+                batch.append(BatchRow(h, pos + 1, 0, new_hot, req.awaiting_row))
+                res.stats["chained_rows"] += 1
             else:
-                batch.append(BatchRow(h, pos + 1, req.tokens[pos], hot))
-                req.sent_hot = hot
+                batch.append(BatchRow(h, pos + 1, req.tokens[pos], new_hot))
             req.written += 1
-            req.awaiting_step = step
+            req.awaiting.append(step)
+            req.awaiting_row = len(batch) - 1
         transfers = tuple(PageTransfer(p.tid, _KIND[p.kind], p.device_block, p.host_block)
                           for p in res.outbox)
         res.outbox.clear()
@@ -256,9 +273,16 @@ class Coordinator:
         return req.handle
 
     def _eligible(self, req: Request) -> bool:
+        """Whether ``req`` takes a row in the next command (see :meth:`take_command`)."""
+        if req.awaiting and not (req.chain and req.awaiting == [self._step]
+                                 and req.num_generated + 1 < req.max_new_tokens):
+            return False
         return (req.state is RequestState.RUNNING and req.conversion is None
-                and req.awaiting_step is None
                 and all(self.book.pending[t].kind is TransferOp.BACKUP for t in req.in_flight))
+
+    def _stable(self, req: Request) -> bool:
+        """Eligible with no step in flight: what a conversion or a restore starts from."""
+        return not req.awaiting and self._eligible(req)
 
     def _relieve(self, needy: Request) -> None:
         """Device pressure: convert one resident request to the host tier, unless a conversion is
@@ -279,7 +303,7 @@ class Coordinator:
                 return  # the host pool is its bottleneck: spilling would only make it worse
         best, best_gain = None, -1
         for req in self._requests.values():
-            if not (self._eligible(req) and req.tier is LandingTarget.RESIDENT and not req.in_flight):
+            if not (self._stable(req) and req.tier is LandingTarget.RESIDENT and not req.in_flight):
                 continue
             n = len(req.pages)
             if n < hot_n:
@@ -304,7 +328,7 @@ class Coordinator:
         """Apply one rank's report. A transfer's enqueued/completed action runs once every rank
         acknowledged it; sampled tokens (rank 0 only) are appended to requests of ``report.step``.
         Reports may arrive in any order and a rank may report one step several times."""
-        self._check_report(report)
+        check_report(self.config.tp_size, self._step, self.book, self._requests, report)
         rank = report.rank
         if rank == 0:
             self._host_seq = max(self._host_seq, report.published)
@@ -329,9 +353,10 @@ class Coordinator:
         for rid, tok in report.sampled:
             req = self._requests[rid]
             affected[rid] = req
-            req.awaiting_step = None
+            req.awaiting.pop(0)  # report.step (checked)
             if req.state is not RequestState.RUNNING:
-                continue  # aborted while its step was in flight: the token is dropped
+                self.res.stats["dropped_rows"] += 1
+                continue  # finished while its step was in flight: the token is dropped
             req.tokens.append(tok)
             if req.num_generated >= req.max_new_tokens:
                 self._finish(req, "length")
@@ -339,38 +364,6 @@ class Coordinator:
                 self._finish(req, "eos")
         for req in affected.values():
             self._drain(req)
-
-    def _check_report(self, report: StepReport) -> None:
-        rank, tp = report.rank, self.config.tp_size
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
-            raise UnknownRankError(rank, tp)
-        if not 1 <= report.step <= self._step:
-            raise StateError(f"report for step {report.step}; steps emitted so far: 1..{self._step}")
-        for name, ids in (("enqueued", report.enqueued), ("completed", report.completed)):
-            if len(set(ids)) != len(ids):
-                raise StateError(f"rank {rank} lists a transfer twice in {name}")
-            for tid in ids:
-                p = self.book.pending.get(tid)
-                if p is None:
-                    raise UnknownTransferError(tid)
-                if rank in (p.enqueued if name == "enqueued" else p.completed):
-                    raise StateError(f"rank {rank} already acknowledged transfer {tid} {name}")
-        if report.sampled and rank != 0:
-            raise StateError(f"sampled tokens come from rank 0 only, got them from rank {rank}")
-        pub = report.published
-        if isinstance(pub, bool) or not isinstance(pub, int) or pub < 0 or (pub and rank != 0):
-            raise StateError(f"rank {rank} reports host-pool generation {pub!r}: only rank 0 "
-                             f"writes the host pool (an int >= 0)")
-        seen: set = set()
-        for rid, tok in report.sampled:
-            req = self._requests.get(rid)
-            if req is None:
-                raise UnknownRequestError(rid)
-            if rid in seen or req.awaiting_step != report.step:
-                raise StateError(f"request {rid!r} has no token due for step {report.step}")
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < MAX_TOKEN:
-                raise InvalidRequestError(rid, f"sampled token {tok!r} is not an int in [0, 2**63)")
-            seen.add(rid)
 
     # -- finishing ---------------------------------------------------------------------------------
     def finish(self, request_id: RequestId) -> None:
@@ -406,7 +399,7 @@ class Coordinator:
         self._drain(req)
 
     def _drain(self, req: Request) -> None:
-        if req.state is RequestState.FINISHED and not req.in_flight and req.awaiting_step is None:
+        if req.state is RequestState.FINISHED and not req.in_flight and not req.awaiting:
             self.res.release_all(req)
             req.state = RequestState.RELEASED
             self.res.stats["finished"] += 1
@@ -426,7 +419,7 @@ class Coordinator:
         the unreserved device room cannot hold every page now (or, backed, the host room its
         life); StateError when it is not stable host tier."""
         req = self._get(request_id, RequestState.RUNNING)
-        if req.tier is not LandingTarget.HOST or not self._eligible(req) or req.in_flight:
+        if req.tier is not LandingTarget.HOST or not self._stable(req) or req.in_flight:
             raise StateError(f"request {request_id!r} is not a stable host-tier request")
         n = len(req.pages)
         # backed: its host reservation grows back from ``life - n`` to ``life`` (a later spill)
@@ -487,7 +480,8 @@ class Coordinator:
             spill_bytes=s["spill_bytes"], restore_bytes=s["restore_bytes"],
             backup_bytes=s["backup_bytes"], conversions_to_host=s["conversions_to_host"],
             prefix_hit_pages=s["prefix_hit_pages"], published_pages=s["published_pages"],
-            evictions=self.host.evictions, stalls=s["stalls"],
+            evictions=self.host.evictions, stalls=s["stalls"], chained_rows=s["chained_rows"],
+            dropped_rows=s["dropped_rows"],
             device_blocks_total=self.device.num_blocks, device_blocks_used=self.device.num_used,
             host_blocks_total=self.host.num_blocks, host_blocks_used=self.host.num_used,
             host_blocks_cached=self.host.num_cached,

@@ -72,7 +72,7 @@ def check_coordinator(c: "Coordinator") -> None:
             if not cfg.host_tier:  # a full-resident baseline leases its whole life at admission
                 hi = max(hi, cfg.pages_for(req.lifetime_positions))
             assert lo <= len(req.pages) <= hi, f"{rid}: {len(req.pages)} pages for {req.written}"
-            assert len(req.tokens) >= req.written, f"{rid}: wrote past its tokens"
+            assert len(req.tokens) + req.unknown_written >= req.written, f"{rid}: wrote past its tokens"
         page_ops = [book.pending[t].kind for t in req.in_flight
                     if book.pending[t].kind is not TransferOp.BACKUP]
         stable = req.conversion is None and not page_ops

@@ -59,7 +59,9 @@ class Request:
     pages: list[Page] = field(default_factory=list)
     hot: list[DeviceBlockId] = field(default_factory=list)
     written: int = 0  # positions whose KV is written (landed, or emitted in a step)
-    awaiting_step: int | None = None  # step whose sampled token is still due
+    awaiting: list[int] = field(default_factory=list)  # steps whose sampled token is due, ascending
+    awaiting_row: int = -1  # its row in the newest of them (a chained row's ``prev_row``)
+    chain: bool = False  # may run a step before its previous token is known (Coordinator.admit)
     in_flight: set[TransferId] = field(default_factory=set)
     conversion: Conversion | None = None
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker's view of the table
@@ -79,12 +81,25 @@ class Request:
         """Record-local rules: token counts, written positions and page row counts in range."""
         assert 1 <= self.prompt_len <= len(self.tokens), f"{self.rid}: prompt/tokens mismatch"
         assert self.num_generated <= self.max_new_tokens, f"{self.rid}: generated past its limit"
-        assert self.written <= len(self.tokens), f"{self.rid}: wrote a position with no token"
+        assert self.written <= len(self.tokens) + self.unknown_written, \
+            f"{self.rid}: wrote a position with no token"
         assert all(0 <= p.host_rows <= page_size for p in self.pages), f"{self.rid}: host_rows"
-        if self.awaiting_step is not None:
+        if self.awaiting:
             assert self.state in (RequestState.RUNNING, RequestState.FINISHED), self.rid
+            assert self.awaiting == sorted(set(self.awaiting)), f"{self.rid}: {self.awaiting}"
+            assert len(self.awaiting) == 1 or self.chain, f"{self.rid}: unchained steps in flight"
+            assert len(self.awaiting) <= 2, f"{self.rid}: {self.awaiting} in flight"
         if self.state is RequestState.RELEASED:
             assert not (self.pages or self.hot or self.in_flight), f"{self.rid} released with leases"
+
+    @property
+    def unknown_written(self) -> int:
+        """Written positions whose token is not known (yet): a chained row's input is the token
+        its previous step samples (one while RUNNING with two steps in flight); once finished,
+        at most one (an abort drops the token of a step in flight, whose chained row was fed it)."""
+        if self.state is RequestState.RUNNING:
+            return max(0, len(self.awaiting) - 1)
+        return 1 if self.chain else 0
 
     @property
     def lifetime_positions(self) -> int:

@@ -55,6 +55,8 @@ class Residency:
         page = req.pages[i]
         if page.host is None or page.reused or page.host_rows < self.ps:
             return
+        if (i + 1) * self.ps > len(req.tokens):
+            return  # a chained row wrote the position of a token never appended (an abort)
         if not self.config.publish_decoded and (i + 1) * self.ps > req.prompt_len - 1:
             return  # a decode step wrote a row of it (CoordinatorConfig.publish_decoded)
         if self.host.is_published(page.host):

@@ -10,6 +10,7 @@ logits observer is set.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,6 +32,26 @@ def index_key_kind(value: str, model_dtype: torch.dtype) -> str:
     return "bf16" if model_dtype == torch.bfloat16 else "fp32"
 
 
+@dataclass(eq=False)
+class FastLaunch:
+    """One launched fast step: its outputs copied (tokens, hits, misses) to a pinned host buffer
+    behind the step on the stream, so that the next step may be launched before this one is read
+    (it overwrites the step's static outputs); ``logits`` is a copy when asked for, else None."""
+
+    B: int
+    out: Tensor  # [3, B] int64: host (pinned on CUDA), valid once ``ready`` fired
+    ready: Any  # torch.cuda.Event | None (CPU: already valid)
+    logits: Tensor | None
+    values: list[list[int]] | None = None  # ``out`` as lists, once read
+
+    def read(self) -> list[list[int]]:
+        if self.values is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self.values = self.out.tolist()
+        return self.values
+
+
 class FastExecutor:
     """The fast path of one rank: owns the :class:`PagedIndexKeys` and the :class:`FastDecodeStep`.
 
@@ -50,6 +71,14 @@ class FastExecutor:
                                    max_pages=cap)
         self.step = FastDecodeStep(model, runtime, self.keys, codec, cfg, block_threads=block_threads)
         self._tables: dict[object, RowTables] = {}
+        cuda = runtime.device.type == "cuda"
+        # two output slots: step N + 1 is launched before step N is read (EngineConfig.lookahead)
+        self._outs = [torch.zeros(3 * cfg.max_batch, dtype=torch.int64, pin_memory=cuda)
+                      for _ in range(2)]
+        self._dev_out = (torch.zeros(3 * cfg.max_batch, dtype=torch.int64, device=runtime.device)
+                         if cuda else None)
+        self._out_users: list[FastLaunch | None] = [None, None]
+        self._launches = 0
 
     # -- requests ---------------------------------------------------------------------------------
     def install(self, rid, keys: Tensor | None, capacity: int) -> None:
@@ -93,8 +122,10 @@ class FastExecutor:
         return row
 
     def row_input(self, row: Any) -> RowInput:
-        """``row`` names ``request_id``, ``seq_len`` and ``input_token`` (the rank executor's
-        ``Row``: a command's ``BatchRow`` with its handle resolved)."""
+        """``row`` names ``request_id``, ``seq_len``, ``input_token`` and ``from_row`` (the rank
+        executor's ``Row``: a command's ``BatchRow`` with its handle resolved). ``from_row >= 0``
+        with ``input_token < 0``: the input is the token row ``from_row`` of the previous launch
+        sampled, read by the step on the device."""
         rid, n = row.request_id, row.seq_len
         if rid not in self.keys.pages:
             raise StateError(f"request {rid!r} has no index keys installed on the fast path")
@@ -105,26 +136,55 @@ class FastExecutor:
         if ip >= t.index_table.shape[0]:
             raise CapacityError(f"index key positions of {rid!r}", n, t.index_table.shape[0] * INDEX_PAGE)
         iwrite = int(t.index_table[ip]) * INDEX_PAGE + p % INDEX_PAGE
-        return RowInput(row.input_token, n, self.rt.requests[rid].state_row, write, iwrite, t)
+        src = getattr(row, "from_row", -1) if row.input_token < 0 else -1
+        return RowInput(max(row.input_token, 0), n, self.rt.requests[rid].state_row, write, iwrite,
+                        t, src)
 
     # -- one step -----------------------------------------------------------------------------------
-    def launch(self, batch: Sequence[Any]) -> int:
-        """Fill the inputs and enqueue one step (no sync); returns B for :meth:`collect`. ``batch``:
-        rows as :meth:`row_input` takes them."""
+    def launch(self, batch: Sequence[Any], keep_logits: bool = False) -> FastLaunch:
+        """Fill the inputs and enqueue one step and the copy of its outputs (no sync); read it
+        with :meth:`collect`. ``batch``: rows as :meth:`row_input` takes them. At most two
+        launches are unread at a time (the one before the previous must have been read).
+        keep_logits: keep a copy of the logits for :meth:`collect` (else it returns the step's
+        static logits, valid only until the next launch)."""
         B = len(batch)
         bucket = self.cfg.bucket(B)
+        slot = self._launches % 2
+        prior = self._out_users[slot]
+        if prior is not None and prior.values is None:
+            raise StateError("a third fast step launched before the first of them was read")
         rows = [self.row_input(r) for r in batch]
         self.step.inputs.set_sink("index_write", self.keys.sink_row)  # moves when the pool grows
         self.step.inputs.fill(rows, bucket)
         self.step.run(bucket)
-        return B
+        st = self.step
+        out = self._outs[slot][: 3 * B].view(3, B)
+        ready = None
+        if self._dev_out is not None:  # one kernel and one copy behind the step
+            dev = self._dev_out[: 3 * B].view(3, B)
+            torch.stack([st.tokens[:B], st.hits[:B], st.misses[:B]], out=dev)
+            out.copy_(dev, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            torch.stack([st.tokens[:B], st.hits[:B], st.misses[:B]], out=out)
+        logits = st.logits[:B].clone() if keep_logits else None
+        launched = FastLaunch(B, out, ready, logits)
+        self._out_users[slot] = launched
+        self._launches += 1
+        return launched
 
-    def collect(self, B: int) -> tuple[list[int], list[int], list[int], Tensor]:
-        """Wait for the launched step -> ``(greedy tokens, hot hits, hot misses)`` per row and the
-        device logits ``[B, V]`` fp32 (a view of the step's static output: copy it before the
-        next step)."""
-        out = torch.stack([self.step.tokens[:B], self.step.hits[:B], self.step.misses[:B]]).tolist()
-        return out[0], out[1], out[2], self.step.logits[:B]
+    def tokens_of(self, launched: FastLaunch) -> list[int]:
+        """A launch's greedy tokens (waits for it)."""
+        return launched.read()[0]
+
+    def collect(self, launched: FastLaunch) -> tuple[list[int], list[int], list[int], Tensor]:
+        """Wait for a launched step -> ``(greedy tokens, hot hits, hot misses)`` per row and its
+        logits ``[B, V]`` fp32 (the kept copy, else a view of the step's static output: valid
+        until the next launch)."""
+        out = launched.read()
+        logits = launched.logits if launched.logits is not None else self.step.logits[:launched.B]
+        return out[0], out[1], out[2], logits
 
     def forward(self, batch: Sequence[Any]) -> tuple[list[int], list[int], list[int], Tensor]:
         """:meth:`launch` then :meth:`collect`."""

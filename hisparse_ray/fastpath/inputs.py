@@ -14,6 +14,8 @@ seq_lens      1         n; 0 marks a padded row (inert everywhere)
 state         1         the request's state row in the resolver's slot tables
 write         1         device row the newest KV row is written to (sink for padding)
 index_write   1         index-key pool row the newest key is written to (sink for padding)
+from_row      1         -1, or a chained row: the input is ``tokens[from_row]`` of the step
+                        before (the step's own output buffer, read before it is overwritten)
 slot_rows     H + 1     device row of each hot slot (-1 without a hot buffer)
 resident      P         device block of each page (-1 = not resident)
 host          P         host block of each page (-1 = none)
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-SCALARS = ("ids", "pos", "seq_lens", "state", "write", "index_write")
+SCALARS = ("ids", "pos", "seq_lens", "state", "write", "index_write", "from_row")
 TABLES = ("slot_rows", "resident", "host", "index_table")
 
 
@@ -59,6 +61,7 @@ class RowInput:
     write: int
     index_write: int
     tables: RowTables
+    from_row: int = -1
 
 
 class StepInputs:
@@ -72,7 +75,7 @@ class StepInputs:
     def __init__(self, max_batch: int, hot_slots: int, pages: int, index_pages: int,
                  write_sink: int, index_sink: int, device: torch.device) -> None:
         self.max_batch, self.device = max_batch, torch.device(device)
-        self.widths = dict(ids=1, pos=1, seq_lens=1, state=1, write=1, index_write=1,
+        self.widths = dict(ids=1, pos=1, seq_lens=1, state=1, write=1, index_write=1, from_row=1,
                            slot_rows=hot_slots, resident=pages, host=pages, index_table=index_pages)
         self.sinks = dict(write=write_sink, index_write=index_sink)
         self.offsets: dict[str, int] = {}
@@ -90,6 +93,7 @@ class StepInputs:
             self._host(name)[:] = -1
         for name, sink in self.sinks.items():
             self._host(name)[:, 0] = sink
+        self._host("from_row")[:] = -1
         if cuda:
             self.buffer.copy_(self.staging)
 
@@ -118,6 +122,7 @@ class StepInputs:
         for b, r in enumerate(rows):
             sc["ids"][b], sc["pos"][b], sc["seq_lens"][b] = r.token, r.seq_len - 1, r.seq_len
             sc["state"][b], sc["write"][b], sc["index_write"][b] = r.state, r.write, r.index_write
+            sc["from_row"][b] = r.from_row
             t = r.tables
             if self._keys[b] != t.key:
                 for name in TABLES:
@@ -131,6 +136,7 @@ class StepInputs:
         for b in range(len(rows), bucket):
             for name in ("ids", "pos", "seq_lens", "state"):
                 sc[name][b] = 0
+            sc["from_row"][b] = -1
             for name, sink in self.sinks.items():
                 sc[name][b] = sink
         if self.device.type != "cuda":

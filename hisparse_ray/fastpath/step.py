@@ -157,6 +157,8 @@ class FastDecodeStep:
         model, rt, inp, codec = self.model, self.rt, self.inputs, self.codec
         meta = self._metadata(B)  # outside the captured work: computed on the first (eager) run
         ids = inp.view("ids", B)[:, 0].long()
+        src = inp.view("from_row", B)[:, 0].long()  # chained rows: the previous step's tokens
+        ids = torch.where(src >= 0, self.tokens.index_select(0, src.clamp_min(0)), ids)
         seq = inp.view("seq_lens", B)[:, 0]
         write = inp.view("write", B)[:, 0].long()
         iwrite = inp.view("index_write", B)[:, 0].long()

@@ -25,7 +25,7 @@ CPU both in the same report.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,6 +39,7 @@ from hisparse_ray.fastpath.step import spare_rows_for
 from hisparse_ray.host.copies import CopyHandle, backup_rows, fill_rows, restore_pages, spill_pages
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.cache import IndexerKeyCache
+from hisparse_ray.rank.rows import Launched, Row, name_rows
 from hisparse_ray.rank.runtime import HiSparseCacheHandle, HiSparseRuntime
 from hisparse_ray.rank.sampler import Sampler
 from hisparse_ray.types import (
@@ -47,16 +48,7 @@ from hisparse_ray.types import (
 
 
 
-class Row(NamedTuple):
-    """A batch row with its request named (``BatchRow`` carries the request's handle)."""
-
-    request_id: RequestId
-    seq_len: int
-    input_token: int
-    hot_blocks: tuple[int, ...] | None
-
-
-__all__ = ["HiSparseWorker", "Row", "SamplingParams"]  # SamplingParams lives in types (the wire)
+__all__ = ["HiSparseWorker", "Launched", "Row", "SamplingParams"]  # SamplingParams lives in types (the wire)
 
 
 class HiSparseWorker:
@@ -117,7 +109,10 @@ class HiSparseWorker:
             model, self.runtime, self.handle.codec, fast, block_threads=cfg.swap_in_block_size)
         self.index: dict[RequestId, IndexerKeyCache] = {}
         self.samplers: dict[RequestId, Sampler] = {}  # rank 0; absent = greedy
-        self._pending: list[tuple[tuple[int, ...], CopyHandle]] = []
+        # copies in flight: (step that enqueued them, transfer ids, handle); a step's report
+        # lists completions of its own and earlier steps only (a later launch may be enqueued)
+        self._pending: list[tuple[int, tuple[int, ...], CopyHandle]] = []
+        self._step = 0  # the command being launched
         self.batch_invariant = batch_invariant
         self.host_wait_s = check_number("host_wait_s", host_wait_s, lo=0, lo_open=True,
                                         why="seconds")
@@ -131,6 +126,10 @@ class HiSparseWorker:
         self.on_logits: Any = None  # on_logits(rows, logits [B, V]) after each forward
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
                          "backups": 0, "fast_steps": 0}
+        # the last launched step with rows: (step, fast launch | host tokens), what a chained
+        # row of the next command reads its input from; and the last finished one's host tokens
+        self._last: tuple[int, Any] | None = None
+        self._finished: tuple[int, list[int]] | None = None
 
     def _host_view(self, l: int) -> Tensor:
         """The host layer as the resolver reads it: the UVA alias on GPU, the mapping on CPU."""
@@ -221,7 +220,16 @@ class HiSparseWorker:
 
     # -- one step ------------------------------------------------------------------------------
     def execute(self, cmd: StepCommand) -> StepReport:
+        """Run one command: :meth:`launch` then :meth:`finish`."""
+        return self.finish(self.launch(cmd))
+
+    def launch(self, cmd: StepCommand) -> Launched:
+        """Everything of a command up to its outputs: on the fast path the step is enqueued and
+        the host returns at once (step N + 1 may then be launched before step N is finished, the
+        pipeline of ``EngineConfig.lookahead``); the reference path runs it to the end. Every
+        launched step is finished, in launch order."""
         rt, names = self.runtime, self.handles
+        self._step = cmd.step
         released: list[RequestId] = []
         for h in cmd.released:
             rid = names.pop(h, None)
@@ -256,16 +264,14 @@ class HiSparseWorker:
         # Page copies take the one-launch UVA gather/scatter when the pool is registered (auto):
         # measured on the H200 at 4.6x (spill) / 2.8x (restore) the per-layer memcpy path.
         wrote = self._enqueue_transfers(cmd, enqueued)
-        sampled: tuple = ()
-        rows = [Row(self._name(cmd, r.handle), r.seq_len, r.input_token, r.hot_blocks)
-                for r in cmd.batch]
-        fast = self.fast is not None and self.trace is None and bool(rows)
+        fast = self.fast is not None and self.trace is None and bool(cmd.batch)
+        rows = self._rows(cmd, fast)
+        forward: Any = ()
         if rows:
-            for handle in (h for _, h in self._pending):
+            for handle in (h for _, _, h in self._pending):
                 handle.order_before()
-            sampled, fast_counts = self._forward(cmd, rows, enqueued)
-            for rid, h, m in fast_counts:  # the fast step reads its own (with its tokens)
-                counts[rid] = (h, m)
+            forward = self._forward(cmd, rows, enqueued)
+            self._last = (cmd.step, forward)
             if not fast:
                 self._steps_uncounted += 1
                 if self.writer and self._steps_uncounted >= self.hot_counts_every:
@@ -275,6 +281,21 @@ class HiSparseWorker:
         if wrote or (cmd.backups and self.writer):
             # one generation per step, its event after every copy of the step
             self.pool.publish(self.copy_stream)
+        return Launched(cmd, rows, enqueued, counts, fast, forward)
+
+    def finish(self, step: Launched) -> StepReport:
+        """Wait for a launched step's outputs and report it (rank 0: its sampled tokens)."""
+        cmd, rows, counts, fast = step.cmd, step.rows, step.counts, step.fast
+        sampled: tuple = ()
+        if rows:
+            if fast:
+                sampled, fast_counts = self._collect_fast(rows, step.forward)
+                for rid, h, m in fast_counts:  # the fast step reads its own (with its tokens)
+                    counts[rid] = (h, m)
+            else:
+                sampled = step.forward
+            if self.writer:
+                self._finished = (cmd.step, [t for _, t in sampled])
         per_request = [(rid, h, m) for rid, (h, m) in counts.items()]
         hits = sum(h for _, h, _ in per_request)
         misses = sum(m for _, _, m in per_request)
@@ -283,11 +304,15 @@ class HiSparseWorker:
         self.counters["hot_hits"] += hits
         self.counters["hot_misses"] += misses
         return StepReport(
-            cmd.step, self.rank, enqueued=tuple(enqueued),
-            completed=self._take_completed(wait=not rows),
+            cmd.step, self.rank, enqueued=tuple(step.enqueued),
+            completed=self._take_completed(wait=not rows, upto=cmd.step),
             sampled=sampled if self.writer else (), hot_hits=hits, hot_misses=misses,
             hits_by_request=tuple(per_request) if self.writer else (),
             published=self.pool.published() if self.writer else 0)
+
+    def _rows(self, cmd: StepCommand, fast: bool) -> list[Row]:
+        return name_rows(cmd, self._name, self.samplers, self._last, writer=self.writer,
+                         fast=fast, tokens_of=None if self.fast is None else self.fast.tokens_of)
 
     def _name(self, cmd: StepCommand, handle: int) -> RequestId:
         rid = self.handles.get(handle)
@@ -311,10 +336,10 @@ class HiSparseWorker:
             row = self.fast.device_row if self.fast is not None else self.runtime.device_row
             src = [row(self._name(cmd, b.handle), b.position) for b in cmd.backups]
             dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
-            self._pending.append((ids, backup_rows(self.runtime.device_kv, self.pool, src, dst,
+            self._pending.append((self._step, ids, backup_rows(self.runtime.device_kv, self.pool, src, dst,
                                                    self.copy_stream)))
         else:
-            self._pending.append((ids, CopyHandle()))
+            self._pending.append((self._step, ids, CopyHandle()))
         enqueued.extend(ids)
         self.counters["backups"] += len(ids)
 
@@ -330,7 +355,7 @@ class HiSparseWorker:
                                      self.copy_stream, use_uva=None)
             else:
                 handle = CopyHandle()
-            self._pending.append((ids, handle))
+            self._pending.append((self._step, ids, handle))
             enqueued.extend(ids)
             self.counters["spills"] += len(ids)
         if restores:
@@ -338,21 +363,25 @@ class HiSparseWorker:
             handle = restore_pages(self.runtime.device_kv, self.pool,
                                    [(t.device_block, t.host_block) for t in restores],
                                    self.copy_stream, use_uva=None)
-            self._pending.append((ids, handle))
+            self._pending.append((self._step, ids, handle))
             enqueued.extend(ids)
             self.counters["restores"] += len(ids)
         return bool(spills) and self.writer
 
-    def _take_completed(self, wait: bool) -> tuple[int, ...]:
+    def _take_completed(self, wait: bool, upto: float = float("inf")) -> tuple[int, ...]:
+        """Transfer ids of the copies enqueued by steps ``<= upto`` that completed (``wait``:
+        wait for each of them first); they leave the pending list."""
         done: list[int] = []
         still = []
-        for ids, handle in self._pending:
-            if wait:
-                handle.wait()
-            if handle.done():
-                done.extend(ids)
-            else:
-                still.append((ids, handle))
+        for entry in self._pending:
+            step, ids, handle = entry
+            if step <= upto:
+                if wait:
+                    handle.wait()
+                if handle.done():
+                    done.extend(ids)
+                    continue
+            still.append(entry)
         self._pending = still
         return tuple(done)
 
@@ -380,7 +409,7 @@ class HiSparseWorker:
                               [rt.host_row(row.request_id, p) for p in range(n - 1)],
                               slots[: n - 1], self.copy_stream).order_before()
         if self.fast is not None and self.trace is None:
-            return self._forward_fast(cmd, batch, enqueued)
+            return self._launch_fast(cmd, batch, enqueued)
         # Batch-invariant mode runs each row as its own batch of one: matmul results depend on the
         # batch shape (measured: torch CPU linear differs bitwise between M=1 and M=5), so only
         # this makes a request's logits independent of what else the scheduler batched with it.
@@ -408,17 +437,27 @@ class HiSparseWorker:
                 sampler = self.samplers.get(r.request_id)
                 toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
             sampled = tuple((r.request_id, t) for r, t in zip(batch, toks))
-        return sampled, ()
+        return sampled
 
-    def _forward_fast(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
-        """The batch as one fast step (greedy tokens come from the device; a row sampling with a
-        temperature reads its logits back). The step's backups are enqueued while the GPU runs
+    def _launch_fast(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
+        """Enqueue the batch as one fast step. The step's backups are enqueued while the GPU runs
         (the copy stream waits for the launched step, which writes the rows they copy)."""
-        launched = self.fast.launch(batch)
+        keep = self.on_logits is not None or any(
+            s.params.temperature > 0 for s in map(self.samplers.get, (r.request_id for r in batch))
+            if s is not None)
+        launched = self.fast.launch(batch, keep_logits=keep)
         if cmd.backups:
             self._enqueue_backups(cmd, enqueued)
+        return launched
+
+    def _collect_fast(self, batch: list[Row], launched: Any):
+        """A launched fast step's outputs (greedy tokens come from the device; a row sampling
+        with a temperature reads its logits back)."""
         toks, hits, misses, logits = self.fast.collect(launched)
         if self.on_logits is not None:
+            fin = self._finished
+            batch = [r if r.from_row < 0 or r.input_token >= 0 or fin is None
+                     else r._replace(input_token=fin[1][r.from_row]) for r in batch]
             self.on_logits(batch, logits)
         per_request = [(r.request_id, h, m) for r, h, m in zip(batch, hits, misses)]
         if not self.writer:

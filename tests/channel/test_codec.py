@@ -39,7 +39,7 @@ def _same(a, b) -> bool:
 def commands(ids=any_id, ints=small):
     tup = lambda s, n: st.lists(s, max_size=n).map(tuple)  # noqa: E731
     hot = st.none() | tup(ints, 6)
-    rows = st.builds(T.BatchRow, ints, ints, ints, hot)
+    rows = st.builds(T.BatchRow, ints, ints, ints, hot, ints)  # prev_row too
     diffs = st.builds(T.TableDiff, ints, ints, ints, ints)
     xfers = st.builds(T.PageTransfer, ints, st.sampled_from(T.TransferKind), ints, ints)
     backups = st.builds(T.Backup, ints, ints, ints, ints, ints)
@@ -80,7 +80,8 @@ def test_the_wire_fields_are_what_the_core_sends():
     declaration order: ``array_like``)."""
     assert T.StepCommand.__struct_fields__ == (
         "step", "batch", "table_diffs", "transfers", "backups", "released", "handles", "host_seq")
-    assert T.BatchRow.__struct_fields__ == ("handle", "seq_len", "input_token", "hot_blocks")
+    assert T.BatchRow.__struct_fields__ == ("handle", "seq_len", "input_token", "hot_blocks",
+                                            "prev_row")
     assert T.StepReport.__struct_fields__ == (
         "step", "rank", "enqueued", "completed", "sampled", "hot_hits", "hot_misses",
         "hits_by_request", "published")
@@ -95,7 +96,7 @@ def test_anything_but_a_command_or_report_is_refused(obj):
 @pytest.mark.parametrize("raw", [
     b"", b"\xc1", msgspec.msgpack.encode([3, 1]),  # unknown tag
     msgspec.msgpack.encode([1, "one"]),  # a string where the step goes
-    msgspec.msgpack.encode([1, 2, [[0, 1, 2, None, 9]]]),  # a row with an extra field
+    msgspec.msgpack.encode([1, 2, [[0, 1, 2, None, 9, 4]]]),  # a row with an extra field
     msgspec.msgpack.encode([2, 1, True]),  # a bool is not a rank
     msgspec.msgpack.encode([1, 2, [], [], [[1, "burn", 0, 0]]]),  # no such transfer kind
 ])

@@ -270,3 +270,46 @@ def test_resolver_overlap_is_bit_identical_under_random_schedules():
         got = run(m, prompts, news, fast_engine(fast(True, graphs), hs, **common), between=delayed(seed))
         assert_same(got, inline)
     assert inline[3]["hot_misses"] > 0 and sorted(set(inline[4])) == [1, 2, 3, 4]
+
+
+def test_lookahead_is_bit_identical_with_the_gpu_lagging():
+    """``EngineConfig.lookahead`` launches step N + 1 (its chained rows read step N's tokens on
+    the device) before the host reads step N. With the GPU held back by a random 0-400 us sleep
+    before every launch, so that the host runs a step ahead: graphs, spills, eos and a host-sampled
+    request give the bits of ``lookahead=False`` (one bucket: the schedules may differ)."""
+    import random
+
+    from hisparse_ray.types import SamplingParams
+
+    cfg = small_cfg()
+    m = led_model(cfg, 5)
+    hs = hisparse(cfg, 256)
+    fast = FastPathConfig(max_context=2048, buckets=(4,), index_key_dtype="fp8")
+    prompts = prompts_of([700, 300, 1000, 90, 40], cfg.vocab_size, seed=6)
+    common = dict(kv_cache_dtype="bf16", page_size=16, num_device_blocks=60)
+    free = run(m, prompts, 20, fast_engine(fast, hs, **common))
+    eos = free[0]["r2"][6]
+
+    def lagging(seed):
+        rng = random.Random(seed)
+
+        def hook(eng):
+            eng.add_request("s", prompts[4], 9, sampling=SamplingParams(temperature=0.9, seed=3))
+            eng.add_request("e", prompts[2], 20, eos_token_id=eos)
+            launch = eng.worker.launch
+
+            def slow(cmd):
+                torch.cuda._sleep(rng.randrange(0, 800_000))
+                return launch(cmd)
+            eng.worker.launch = slow
+        return hook
+
+    base = run(m, prompts, 20, fast_engine(fast, hs, **common), between=lagging(0))
+    for seed in (1, 2):
+        got = run(m, prompts, 20, fast_engine(fast, hs, lookahead=True, **common),
+                  between=lagging(seed))
+        assert got[0] == base[0]
+        for k, x in base[1].items():
+            assert torch.equal(got[1][k], x), k
+        assert got[2].chained_rows > 0 and got[2].spills > 0
+    assert base[0]["e"][-1] == eos

@@ -53,17 +53,17 @@ def test_counts_read_every_few_steps_add_up_to_the_per_step_counts():
         with Engine(m, EngineConfig(num_device_blocks=8)) as eng:
             eng.worker.hot_counts_every = every
             got: dict[str, list[int]] = {}
-            execute = eng.worker.execute
+            finish = eng.worker.finish  # the engine launches each step, then finishes it
 
-            def spy(cmd, execute=execute, got=got):
-                rep = execute(cmd)
+            def spy(step, finish=finish, got=got):
+                rep = finish(step)
                 for rid, h, mi in rep.hits_by_request:
                     got.setdefault(rid, [0, 0])
                     got[rid][0] += h
                     got[rid][1] += mi
                 return rep
 
-            eng.worker.execute = spy
+            eng.worker.finish = spy
             for i, p in enumerate(prompts):
                 eng.add_request(f"r{i}", p, 9 + 3 * i)
             eng.run()
