@@ -35,7 +35,7 @@ class RandomDriver:
         self.ops = 0
 
     # -- operations --------------------------------------------------------------------------------
-    def op_admit(self, prefix: int, extra: int, max_new: int) -> None:
+    def op_admit(self, prefix: int, extra: int, max_new: int, chain: bool = False) -> None:
         head = self.prefixes[prefix % len(self.prefixes)]
         prompt = head[: 1 + (extra * 7) % len(head)] + [self.rng.randrange(3) for _ in range(extra)]
         if len(self.coord._waiting) > 16:
@@ -43,7 +43,8 @@ class RandomDriver:
         rid = f"r{self.next_id}"
         self.next_id += 1
         try:
-            adm = self.coord.admit(rid, prompt, max_new, 2 if extra % 4 == 3 else None)
+            adm = self.coord.admit(rid, prompt, max_new, 2 if extra % 4 == 3 else None,
+                                   chain=chain)
         except CapacityError:
             return
         self.worker.start(rid, prompt)
@@ -148,7 +149,7 @@ class RandomDriver:
         r = self.rng.random()
         g = self.rng.randrange(1 << 30)
         if r < 0.10:
-            self.op_admit(g, g % 5, 1 + g % 6)
+            self.op_admit(g, g % 5, 1 + g % 6, chain=bool(g >> 7 & 1))  # about half chain
         elif r < 0.16:
             self.op_poll()
         elif r < 0.26:

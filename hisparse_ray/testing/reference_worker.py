@@ -10,7 +10,10 @@ chained hash of the tokens up to it, so a stale, overwritten or wrongly shared r
 Host writes (spills, backups) are rank 0's: each command's writes form the next host-pool
 generation, and every host read of a command (restores, the forward) must find its row's
 generation published to the peers by the command (``host_seq``). Acks are released later, at
-random, per rank, out of order (``report``; rank 0's carry the latest generation).
+random, per rank, out of order (``report``; rank 0's carry the latest generation). A chained row
+(``prev_row >= 0``) is fed the token this worker sampled for that row of the command it executed
+just before, which must be the previous step and name the same request; sampled tokens are
+reported in random step order, but in step order per request.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import random
 
 from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.types import (
-    NO_BLOCK, Admission, LandingTarget, Rank, StepCommand, StepReport, TransferKind,
+    NO_BLOCK, Admission, BatchRow, LandingTarget, Rank, StepCommand, StepReport, TransferKind,
 )
 
 
@@ -42,6 +45,8 @@ class ReferenceWorker:
         self.hot: dict[str, tuple[int, ...]] = {}  # the hot buffer each request was last sent
         self.gen = 0  # host-pool generations published so far (rank 0 writes)
         self.host_gen: dict[tuple[int, int], int] = {}  # host row -> generation that wrote it
+        # the last executed command's step and, per batch row, (request id, sampled token)
+        self.last: tuple[int, list[tuple[str | None, int | None]]] | None = None
 
     def _value(self, rid: str, p: int) -> int:
         vals, toks = self.vals[rid], self.tokens[rid]
@@ -127,9 +132,11 @@ class ReferenceWorker:
             for a in self.acks:
                 a[t.transfer_id] = "issued"
         samples: list[tuple[str, int]] = []
+        rows: list[tuple[str | None, int | None]] = []  # per batch row: (request id, token)
         newest: dict[str, int] = {}
         for row in c.batch:
             rid, n = self._name(c, row.handle), row.seq_len
+            rows.append((rid, None))
             if rid is None:
                 continue
             if row.hot_blocks is not None:
@@ -140,8 +147,14 @@ class ReferenceWorker:
             if table is None:
                 self._bad(f"{rid} in a batch before any table diff")
                 continue
-            if row.input_token != self.tokens[rid][n - 1]:
-                self._bad(f"{rid}: input token at {n - 1} is {row.input_token}")
+            toks = self.tokens[rid]
+            if n != len(toks):
+                self._bad(f"step {c.step} {rid}: row at seq_len {n}, but it has {len(toks)} "
+                          f"tokens (the row must feed its newest one)")
+                continue
+            inp = self._input(c, row, rid)
+            if inp is not None and inp != toks[n - 1]:
+                self._bad(f"{rid}: input token at {n - 1} is {inp}, expected {toks[n - 1]}")
             for p in range(n - 1):
                 h, d = table.get(p // self.ps, (NO_BLOCK, NO_BLOCK))
                 off = p % self.ps
@@ -160,6 +173,7 @@ class ReferenceWorker:
             tok = self.rng.randrange(self.vocab)
             self.tokens[rid].append(tok)
             samples.append((rid, tok))
+            rows[-1] = (rid, tok)
         for b in c.backups:
             rid = self._name(c, b.handle)
             if rid is None:
@@ -175,6 +189,36 @@ class ReferenceWorker:
             self.gen += 1
         if samples:
             self.due[c.step] = samples
+        self.last = (c.step, rows)
+
+    def _input(self, c: StepCommand, row: BatchRow, rid: str) -> int | None:
+        """The token a row feeds: its ``input_token``, or for a chained row the token this worker
+        sampled for row ``prev_row`` of the command it executed just before (None, with the
+        violation recorded, when that row is not the same request's row of step ``c.step - 1``).
+        ``tokens[rid]`` runs ahead of the coordinator by the tokens still in ``due``: an unchained
+        row must have none due (its input is a reported token), a chained one exactly step
+        ``c.step - 1``'s (one step ahead, never two)."""
+        due = [s for s in sorted(self.due) if any(r == rid for r, _ in self.due[s])]
+        if row.prev_row < 0:
+            if due:  # its newest token is one the coordinator has not received yet
+                self._bad(f"step {c.step} {rid}: unchained row with the tokens of steps {due} "
+                          f"not reported")
+            return row.input_token
+        if due != [c.step - 1]:  # one step ahead, never two (nor a known token's row chained)
+            self._bad(f"step {c.step} {rid}: chained row with the tokens of steps {due} due")
+        if row.input_token != 0:
+            self._bad(f"step {c.step} {rid}: chained row carries input token {row.input_token}")
+        if self.last is None or self.last[0] != c.step - 1:
+            self._bad(f"step {c.step} {rid}: chained row, but the previous command executed was "
+                      f"{None if self.last is None else self.last[0]}")
+            return None
+        prev = self.last[1]
+        if not 0 <= row.prev_row < len(prev) or prev[row.prev_row][0] != rid:
+            who = prev[row.prev_row][0] if 0 <= row.prev_row < len(prev) else "no row"
+            self._bad(f"step {c.step} {rid}: chained to row {row.prev_row} of step {c.step - 1}, "
+                      f"which is {who}")
+            return None
+        return prev[row.prev_row][1]
 
     def report(self, rank: int, p_ack: float = 0.5) -> StepReport | None:
         """One rank's report: a random subset of its acks and (rank 0) one due step's tokens."""
@@ -183,7 +227,7 @@ class ReferenceWorker:
         step = self.rng.choice(self.steps[-4:])
         sampled: tuple = ()
         if rank == 0 and self.due:
-            step = self.rng.choice(sorted(self.due))
+            step = self.rng.choice(self._reportable())
             sampled = tuple(self.due.pop(step))
         enq, comp = [], []
         acks = self.acks[rank]
@@ -197,6 +241,18 @@ class ReferenceWorker:
                 acks[tid] = "enqueued"
         return StepReport(step, Rank(rank), tuple(enq), tuple(comp), sampled,
                           published=self.gen if rank == 0 else 0)
+
+    def _reportable(self) -> list[int]:
+        """Due steps with no request that has an earlier step due (a request's tokens arrive in
+        step order; the oldest due step always qualifies)."""
+        out: list[int] = []
+        earlier: set[str] = set()
+        for step in sorted(self.due):
+            rids = {rid for rid, _ in self.due[step]}
+            if not rids & earlier:
+                out.append(step)
+            earlier |= rids
+        return out
 
     def flush(self, rank: int) -> StepReport | None:
         """Report every outstanding ack of ``rank`` completed (and rank 0's due tokens)."""

@@ -5,6 +5,8 @@ the reference worker's content checks run after every step.
 Budget: 10^4 generated sequences per run in total (3000 + 4000 + 3000, see the settings below);
 long sequences are covered by ``test_long_random_runs`` here and by benchmarks/soak_coordinator.py."""
 
+import random
+
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -32,9 +34,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
                                 index_pages=index, index_page_tokens=4)  # a capped key pool
         self.driver = RandomDriver(cfg, seed)
 
-    @rule(prefix=st.integers(0, 2), extra=st.integers(0, 6), max_new=st.integers(1, 6))
-    def admit(self, prefix, extra, max_new):
-        self.driver.op_admit(prefix, extra, max_new)
+    @rule(prefix=st.integers(0, 2), extra=st.integers(0, 6), max_new=st.integers(1, 6),
+          chain=st.booleans())
+    def admit(self, prefix, extra, max_new, chain):
+        self.driver.op_admit(prefix, extra, max_new, chain)
 
     @rule(pick=st.integers(0, 7), fail=st.booleans())
     def landed(self, pick, fail):
@@ -237,7 +240,8 @@ def test_device_pool_state_machine():
 
 def test_long_random_runs():
     """Deep states (repeated spills, restores, evictions) that short sequences rarely reach."""
-    totals = {"spills": 0, "restores": 0, "evictions": 0, "prefix_hit_pages": 0}
+    totals = {"spills": 0, "restores": 0, "evictions": 0, "prefix_hit_pages": 0,
+              "chained_rows": 0, "dropped_rows": 0}
     for seed in range(6):
         cfg = CoordinatorConfig(num_device_blocks=6 + seed % 3, num_host_blocks=9 + seed,
                                 page_size=2 + seed % 2, device_buffer_size=2 + seed % 3,
@@ -256,6 +260,32 @@ def test_long_random_runs():
         assert (c.device_blocks_used, c.host_blocks_used, c.waiting, c.running) == (0, 0, 0, 0)
         assert c.host_blocks_cached == len(d.coord.host.index)  # only published pages remain
     assert all(v > 0 for v in totals.values()), totals
+
+
+def test_random_runs_chain_rows_and_drop_them_after_eos():
+    """The driver takes commands ahead of reports at random and about half its requests chain,
+    so the property tests reach chained rows. Without aborts, every dropped row is the chained
+    row of a step that sampled eos; the reference worker checks every chained input."""
+    cfg = CoordinatorConfig(num_device_blocks=16, num_host_blocks=24, page_size=2,
+                            device_buffer_size=2, tp_size=2, max_batch=4)
+    d = RandomDriver(cfg, seed=0)
+    rng = random.Random(0)
+    for _ in range(3000):  # random_op without finish (abort), restore and bad input
+        r, g = rng.random(), rng.randrange(1 << 30)
+        if r < 0.12:
+            d.op_admit(g, g % 5, 1 + g % 6, chain=bool(g >> 7 & 1))
+        elif r < 0.25:
+            d.op_landed(g)
+        elif r < 0.55:
+            d.op_take()
+        elif r < 0.95:
+            d.op_report(g, flush=g % 9 == 0)
+        else:
+            d.op_free(g)
+        assert d.check() == []
+    assert d.settle() == []
+    c = d.coord.counters
+    assert c.chained_rows > 50 and c.dropped_rows > 0, c
 
 
 def test_long_random_runs_without_a_host_tier():
