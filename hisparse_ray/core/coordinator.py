@@ -275,7 +275,11 @@ class Coordinator:
     def _eligible(self, req: Request) -> bool:
         """Whether ``req`` takes a row in the next command (see :meth:`take_command`)."""
         if req.awaiting and not (req.chain and req.awaiting == [self._step]
-                                 and req.num_generated + 1 < req.max_new_tokens):
+                                 and req.num_generated + 1 < req.max_new_tokens
+                                 and (self.config.tp_size == 1 or not req.in_flight)):
+            # TP > 1: a host-tier row may read the previous row from its backup, which the
+            # peers read only once rank 0 reported its generation (``host_seq``); with one rank
+            # the reader is the writer, whose compute stream waits for its own copies
             return False
         return (req.state is RequestState.RUNNING and req.conversion is None
                 and all(self.book.pending[t].kind is TransferOp.BACKUP for t in req.in_flight))
@@ -358,6 +362,9 @@ class Coordinator:
                 self.res.stats["dropped_rows"] += 1
                 continue  # finished while its step was in flight: the token is dropped
             req.tokens.append(tok)
+            full, rest = divmod(len(req.tokens), self.config.page_size)
+            if not rest and full <= len(req.pages):  # a page a chained row filled, backed up
+                self.res.publish_if_full(req, full - 1)  # before this, its last token, arrived
             if req.num_generated >= req.max_new_tokens:
                 self._finish(req, "length")
             elif req.eos_token_id is not None and tok == req.eos_token_id:

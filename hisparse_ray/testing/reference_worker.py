@@ -85,8 +85,10 @@ class ReferenceWorker:
         return rid
 
     def _read_host(self, c: StepCommand, key: tuple[int, int]) -> int | None:
-        """A peer's read of host row ``key``: only after its generation reached the peers."""
-        if self.host_gen.get(key, 0) > c.host_seq:
+        """A peer's read of host row ``key``: only after its generation reached the peers. With
+        one rank there are no peers: rank 0 reads what it wrote, ordered after its own copies
+        (``HiSparseWorker``: the compute stream waits for every copy in flight)."""
+        if self.cfg.tp_size > 1 and self.host_gen.get(key, 0) > c.host_seq:
             self._bad(f"step {c.step}: host row {key} of generation {self.host_gen[key]} read "
                       f"with only generation {c.host_seq} published to the peers")
         return self.host.get(key)

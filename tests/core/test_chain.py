@@ -206,9 +206,24 @@ def test_host_tier_request_chains_only_once_its_backup_reached_the_peers():
     assert c.view("a").tokens == (3, 4, 5, 7, 8)
 
 
+def test_with_one_rank_a_host_tier_request_chains_with_its_backup_in_flight():
+    """With one rank there are no peers: rank 0 reads its own backups, ordered after its own
+    copies, so the engine's host-tier requests (the product's case) chain at once."""
+    c = make(dev=1, host=8, ps=2, H=1, tp=1)
+    assert c.admit("a", [3, 4, 5], 6, chain=True).target is T.HOST
+    c.apply_landed("a")
+    one = step_of(c)
+    assert len(one.backups) == 1
+    two = step_of(c)
+    assert rows(c, two) == [("a", 4, 0, 0)] and len(two.backups) == 1
+    report(c, one, {"a": 7}, completed=True, published=1)
+    report(c, two, {"a": 8}, completed=True, published=2)
+    assert c.view("a").tokens == (3, 4, 5, 7, 8)
+
+
 def test_no_chained_row_after_a_command_without_the_request():
     """Its only step in flight must be exactly the previous command."""
-    c = make(dev=4, host=16, ps=2, H=1, tp=1)
+    c = make(dev=4, host=16, ps=2, H=1, tp=2)
     assert c.admit("a", [3, 4, 5, 6, 7, 8, 9, 1, 2], 6, chain=True).target is T.HOST  # backups
     c.apply_landed("a")
     assert c.admit("x", [6], 6).target is T.RESIDENT
@@ -216,8 +231,9 @@ def test_no_chained_row_after_a_command_without_the_request():
     one = step_of(c)
     assert [r[0] for r in rows(c, one)] == ["a", "x"]
     report(c, one, {"x": 1}, completed=False)
-    two = step_of(c)  # a's backup in flight: only x
+    two = step_of(c)  # a's backup in flight, TP 2: only x
     assert [r[0] for r in rows(c, two)] == ["x"]
+    apply(c, StepReport(1, 1, completed=tids(one)))
     apply(c, StepReport(1, 0, completed=tids(one), published=1))
     report(c, two, {"x": 2}, completed=True, published=2)
     three = step_of(c)  # a's step 1 is not the previous command: no chained row
