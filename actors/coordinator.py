@@ -186,7 +186,9 @@ class ReplicaCoordinator:
             if fast is not None and len(prompt) + max_new_tokens > fast.max_context:
                 raise CapacityError(f"positions of request {request_id!r} (fast_path.max_context)",
                                     len(prompt) + max_new_tokens, fast.max_context)
-            adm = self.core.admit(RequestId(request_id), list(prompt), max_new_tokens, eos_token_id)
+            chain = self.spec.lookahead and (sampling is None or sampling.greedy)
+            adm = self.core.admit(RequestId(request_id), list(prompt), max_new_tokens, eos_token_id,
+                                  chain=chain)
             self.records.add(rec)
             self.exporter.submitted(len(prompt))
             self._prompts[request_id] = list(prompt)
@@ -405,6 +407,8 @@ class ReplicaCoordinator:
     def _step_loop(self) -> None:
         timeout = self.spec.step_timeout_s
         try:
+            if self.spec.lookahead:
+                self._pipelined_steps(timeout)
             while not self._stop.is_set() and self._fatal is None:  # a fence stops steps
                 with self.lock:
                     for adm in self.core.poll_waiting():
@@ -414,12 +418,7 @@ class ReplicaCoordinator:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                reports = self.channels.round_trip(cmd, timeout)
-                with self.cond:
-                    for rep in reports:
-                        self.core.apply_report(rep)
-                    self._account(reports[0])
-                    self.cond.notify_all()
+                self._apply(self.channels.round_trip(cmd, timeout))
         except (ChannelError, HiSparseError) as err:
             with self.cond:
                 self._fatal = err
@@ -429,6 +428,43 @@ class ReplicaCoordinator:
                 self._fatal = err
                 self.cond.notify_all()
             raise
+
+    def _apply(self, reports) -> None:
+        with self.cond:
+            for rep in reports:
+                self.core.apply_report(rep)
+            self._account(reports[0])
+            self.cond.notify_all()
+
+    def _pipelined_steps(self, timeout: float) -> None:
+        """The step loop one deep (``ReplicaSpec.lookahead``): command N + 1 is taken and sent
+        before step N's reports are gathered, so the coordinator's work and the ranks' input
+        fill run while the GPUs compute step N. A command holding a row of a request that does
+        not chain (it samples with a temperature: its token is drawn from the logits on rank 0)
+        is gathered before the next is taken. Returns when stopped or fenced, nothing in flight."""
+        inflight = None  # (step, whether the next command may be taken before its reports)
+        while True:
+            cmd = None
+            live = not self._stop.is_set() and self._fatal is None
+            if live and (inflight is None or inflight[1]):
+                with self.lock:
+                    for adm in self.core.poll_waiting():
+                        self._dispatch(adm)
+                    cmd = self.core.take_command()
+                    chains = cmd is not None and self.core.rows_chain(cmd)
+                if cmd is not None:
+                    self.channels.send(cmd, timeout)
+            gathered = inflight is not None
+            if gathered:
+                self._apply(self.channels.gather(inflight[0], timeout))
+                inflight = None
+            if cmd is not None:
+                inflight = (cmd.step, chains)
+            elif not live:
+                return
+            elif not gathered:  # nothing to send, nothing in flight
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
 
     def _account(self, report) -> None:
         """(lock held) After a step, from rank 0's report (a token per batch row): each request's

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,7 @@ class DecodeWorker:
         self._thread: threading.Thread | None = None
         self._channel: ChannelPair | None = None
         self._error: BaseException | None = None
+        self._jitter: tuple[float, Any] | None = None  # set_finish_jitter (tests)
         self.steps = 0
         self.step_s = 0.0
         self.step_log: collections.deque = collections.deque(maxlen=100_000)  # (step, execute s)
@@ -222,6 +224,9 @@ class DecodeWorker:
         self._thread.start()
 
     def _loop(self) -> None:
+        if self.spec.lookahead:
+            self._pipelined_loop()
+            return
         ch = self._channel
         try:
             while not self._stop.is_set():
@@ -245,6 +250,66 @@ class DecodeWorker:
             pass
         except BaseException as err:  # surfaced through stats(); the coordinator times out
             self._error = err
+
+    def _pipelined_loop(self) -> None:
+        """The step thread one deep (``ReplicaSpec.lookahead``): each command is launched as it
+        arrives (the fast step returns once its GPU work is enqueued), while a finisher thread
+        waits for the launched steps in order, outside the lock, finishes each under it and sends
+        its report. Command N + 1 (sent by the coordinator before it read report N) is thus
+        launched while the GPU still computes step N."""
+        ch = self._channel
+        launched: queue.Queue = queue.Queue()
+        finisher = threading.Thread(target=self._finish_steps, args=(launched,),
+                                    name=f"finish-r{self.rank}", daemon=True)
+        finisher.start()
+        try:
+            while not self._stop.is_set() and self._error is None:
+                try:
+                    cmd = ch.recv(timeout=POLL_S)
+                except ChannelTimeoutError:
+                    continue
+                t0 = time.perf_counter()
+                with self._lock:
+                    step = self.executor.launch(cmd)
+                launched.put((step, ch.ready_t, t0))
+        except (ChannelClosedError, ChannelPeerLostError):
+            pass
+        except BaseException as err:  # surfaced through stats(); the coordinator times out
+            self._error = err
+        finally:
+            launched.put(None)
+            finisher.join(timeout=self.spec.step_timeout_s)
+
+    def _finish_steps(self, launched: queue.Queue) -> None:
+        ch = self._channel
+        try:
+            while True:
+                item = launched.get()
+                if item is None:
+                    return
+                step, ready_t, t0 = item
+                if self._jitter is not None:  # tests: random schedules of the two threads
+                    time.sleep(self._jitter[1].uniform(0, self._jitter[0]))
+                self.executor.wait(step)  # the GPU finishing the step: the lock stays free
+                with self._lock:
+                    report = self.executor.finish(step)
+                t1 = time.perf_counter()
+                self.step_s += t1 - t0  # launched to finished (overlaps the next launch)
+                self.steps += 1
+                self.step_log.append((step.cmd.step, t1 - t0))
+                ch.send(report, timeout=self.spec.step_timeout_s)
+                self.step_trace.append((step.cmd.step, ready_t, t0, t1, time.perf_counter()))
+        except (ChannelClosedError, ChannelPeerLostError):
+            pass
+        except BaseException as err:  # surfaced through stats(); the coordinator times out
+            self._error = err
+
+    def set_finish_jitter(self, seconds: float, seed: int = 0) -> None:
+        """Tests: with ``lookahead``, sleep a random 0..``seconds`` before finishing each step
+        (the next command is then launched first, or not: random schedules); 0 turns it off."""
+        import random
+
+        self._jitter = (seconds, random.Random(seed)) if seconds > 0 else None
 
     def get_step_log(self) -> list[tuple[int, float]]:
         """(step, seconds spent executing it) of the recent steps (benchmarks)."""

@@ -130,6 +130,10 @@ class DeployOptions:
     compile_glue: str = _opt("off", "the fast step's per-layer torch work compiled by "
                              "torch.compile (fused kernels; compiles in a bucket's first step, "
                              "once per rank process): on, off", "replica", choices=ON_OFF)
+    lookahead: str = _opt("off", "pipeline the decode steps one deep: step N + 1 goes to the ranks "
+                          "before step N's tokens are read, greedy requests feed their next row "
+                          "from the device (the same tokens; requests sampling with a temperature "
+                          "make their steps wait): on, off", "replica", choices=ON_OFF)
     kv_cache_dtype: str = _opt("auto", "KV rows in every pool and landing: auto = the model dtype, "
                                "fp32, bf16, fp8 (656 B rows)", "replica", choices=KV_CACHE_DTYPES)
     index_key_dtype: str = _opt("auto", "the fast path's GPU index keys: auto = the model dtype, "
@@ -254,7 +258,7 @@ class DeployOptions:
             landing_layer_groups=self.landing_layer_groups,
             landing_call_timeout_s=self.landing_call_timeout_s,
             landing_push_with_prefill=self.landing_push_with_prefill,
-            host_pool_dir=self.host_pool_dir,
+            host_pool_dir=self.host_pool_dir, lookahead=self.lookahead == "on",
             kv_cache_dtype=self.kv_cache_dtype, fast_path=deployment_fast_path(
                 self.fast_path, gpus_per_rank, self.max_prompt_tokens + self.max_new_tokens_limit,
                 self.max_batch, self.index_key_dtype, self.compile_glue == "on"))
@@ -354,7 +358,7 @@ class ReplicaSpec:
     Construction checks the pool sizing the coordinator core will schedule against
     (``core_config``). ``landing_push_with_prefill`` also takes True / False ("always" /
     "never"). ``kv_cache_dtype`` sizes every pool's rows (``layout``); ``fast_path``: the ranks'
-    ``FastPathConfig`` (None: the reference path)."""
+    ``FastPathConfig`` (None: the reference path); ``lookahead``: DeployOptions' ``"on"``."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig.tiny)
@@ -376,9 +380,11 @@ class ReplicaSpec:
     host_pool_dir: str = _D["host_pool_dir"]
     kv_cache_dtype: str = _D["kv_cache_dtype"]
     fast_path: Any = None  # FastPathConfig | None (hisparse_ray.fastpath.config)
+    lookahead: bool = False
 
     def __post_init__(self) -> None:
         check_type("model", self.model, ModelSpec)
+        check_bool("lookahead", self.lookahead)
         check_type("hisparse", self.hisparse, HiSparseConfig)
         for key in ("page_size", "num_device_blocks", "tp_size", "max_batch", "landing_attempts",
                     "landing_layer_groups"):

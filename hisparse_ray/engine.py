@@ -191,7 +191,6 @@ class Engine:
             raise
         self._pending: dict[RequestId, _Pending] = {}
         self._known: dict[RequestId, _Pending] = {}
-        self._chain: set[RequestId] = set()  # requests that chain (lookahead, greedy)
         self._inflight = None  # the launched step not finished yet (lookahead)
         self.steps = 0
         # prefill_hook(request_id, layer, topk) may record or replace a prefill's top-k (tests, tools)
@@ -220,8 +219,6 @@ class Engine:
         adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id,
                               chain=chain)  # validates first
         self._known[rid] = p
-        if chain:
-            self._chain.add(rid)
         self.worker.set_sampling(rid, sampling or SamplingParams())
         if adm is not None:
             self._land(adm)
@@ -305,7 +302,7 @@ class Engine:
         With ``lookahead`` the step is launched and left in flight; the previous one is finished
         (its tokens applied) after that launch, so ``result`` may lag one step behind until
         ``run`` returns or ``done`` holds."""
-        if self._inflight is not None and not self._chains(self._inflight):
+        if self._inflight is not None and not self.core.rows_chain(self._inflight.cmd):
             self._finish_inflight()  # a host-sampled token feeds the next step
         self._land_all(self.core.poll_waiting())
         cmd = self.core.take_command()
@@ -320,10 +317,6 @@ class Engine:
         else:
             self.core.apply_report(self.worker.finish(launched))
         return True
-
-    def _chains(self, launched) -> bool:
-        """Whether every row of a launched step may be followed before it is finished."""
-        return all(r.request_id in self._chain for r in launched.rows)
 
     def _finish_inflight(self) -> bool:
         """Finish the step in flight, if any (True then)."""

@@ -71,6 +71,7 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "kv_cache_dtype": ["fp16", None],
         "device_pool_gib": [0, -1.0, True, "1", NAN],
         "fast_path": ["fast", FastPathConfig(buckets=(1, 2))],  # 2 < max_batch 16
+        "lookahead": [1, "on", None],
     }),
     FastPathConfig: ({}, {
         "max_context": [0, True],
@@ -118,6 +119,7 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "host_pool_dir": ["", 5, "a\0b"],
         "kv_cache_dtype": ["fp16", 1, None],
         "fast_path": ["on", "auto"],
+        "lookahead": ["on", 1, None],
     }),
     PrefillSpec: ({}, {
         "model": [None],
@@ -228,7 +230,7 @@ _OPTION_BAD: dict[str, list] = {
     "max_ongoing_requests": [0], "health_check_period_s": [0, -1],
     "decode_resources": [{"decode_node": 0}, {"x": NAN}, [1]], "prefill_resources": [{"a": -1}],
     "fast_path": ["yes", True], "kv_cache_dtype": ["fp16", 8], "index_key_dtype": ["int8", None],
-    "compile_glue": ["yes", True],
+    "compile_glue": ["yes", True], "lookahead": ["yes", True],
     "served_model_name": [1], "api_key": [1, None], "max_request_bytes": [0, True],
     "max_queued_requests": [0, -2, 1.5], "deployment_config": [{"bogus": 1}, [1], "x"],
 }

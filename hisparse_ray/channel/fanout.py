@@ -21,7 +21,9 @@ class RankChannels:
     """The coordinator's rings to its ``n`` ranks: ``commands`` (it writes, rank r is reader r)
     and ``reports[r]`` (rank r writes, it reads). Lifecycle: construct -> hand ``specs[r]`` to
     rank r (``ChannelPair.attach``) -> ``round_trip`` per step -> ``close``. One round trip at
-    a time (a lock); ``log`` and ``trace`` keep the recent steps' timings."""
+    a time (a lock); ``log`` and ``trace`` keep the recent steps' timings. A pipelined caller
+    (``ReplicaSpec.lookahead``) uses ``send`` and ``gather`` instead: command N + 1 may be sent
+    before step N's reports are gathered; reports are gathered in step order."""
 
     def __init__(self, n: int, policy: WaitPolicy | None = None) -> None:
         self.reports: list[ShmRing] = []
@@ -33,6 +35,7 @@ class RankChannels:
             self.close()
             raise
         self._lock = threading.Lock()
+        self._sent: dict[int, tuple[float, float]] = {}  # step -> (start, sent): not gathered
         self.log: collections.deque = collections.deque(maxlen=100_000)  # (step, round trip s)
         # (step, start, command sent, (report found per rank), (loaded per rank)):
         # perf_counter() stamps, comparable with the ranks' traces (one clock per host)
@@ -57,6 +60,30 @@ class RankChannels:
         self.trace.append((cmd.step, t0, sent, tuple(found), tuple(loaded)))
         return reports
 
+    def send(self, cmd: StepCommand, timeout: float) -> None:
+        """Broadcast ``cmd``; its reports are taken by :meth:`gather` (in step order)."""
+        with self._lock:
+            t0 = time.perf_counter()
+            self.commands.send(cmd, timeout)
+            self._sent[cmd.step] = (t0, time.perf_counter())
+
+    def gather(self, step: int, timeout: float) -> list[StepReport]:
+        """One report per rank of the oldest step sent and not gathered yet, which must be
+        ``step`` (StateError otherwise, as for a report of another step)."""
+        with self._lock:
+            if not self._sent or min(self._sent) != step:
+                raise StateError(f"gather of step {step}; steps sent and not gathered: "
+                                 f"{sorted(self._sent)}")
+            reports, found, loaded = self._gather(timeout)
+            t0, sent = self._sent.pop(step)
+            dt = time.perf_counter() - t0
+        got = [(r.step, r.rank) for r in reports]
+        if got != [(step, r) for r in range(len(reports))]:
+            raise StateError(f"step {step}: reports (step, rank) {got}")
+        self.log.append((step, dt))
+        self.trace.append((step, t0, sent, tuple(found), tuple(loaded)))
+        return reports
+
     def unlink(self) -> None:
         """Remove the rings' names once every rank attached (their mappings stay)."""
         self.commands.unlink()
@@ -69,6 +96,8 @@ class RankChannels:
         for the right step and rank; they are not for the coordinator core."""
         out = []
         with self._lock:
+            if self._sent:
+                raise StateError(f"probe while steps {sorted(self._sent)} are in flight")
             for i in range(n):
                 cmd = StepCommand(-1 - i)
                 t0 = time.perf_counter()

@@ -53,6 +53,9 @@ from hisparse_ray.types import (
 
 FREED_MEMORY = 1 << 16  # how many forgotten ids still answer DoubleFreeError
 _KIND = {TransferOp.SPILL: TransferKind.SPILL, TransferOp.RESTORE: TransferKind.RESTORE}
+_STAT_COUNTERS = ("steps", "admitted", "finished", "spills", "restores", "backups", "spill_bytes",
+                  "restore_bytes", "backup_bytes", "conversions_to_host", "prefix_hit_pages",
+                  "published_pages", "stalls", "chained_rows", "dropped_rows")  # res.stats keys
 
 
 class Coordinator:
@@ -259,6 +262,11 @@ class Coordinator:
         res.stats["steps"] += 1
         return StepCommand(step, tuple(batch), tuple(diffs), transfers, tuple(backups),
                            released, tuple(defined), self._host_seq)
+
+    def rows_chain(self, cmd: StepCommand) -> bool:
+        """Whether every row of ``cmd`` chains: the next command may be taken before its report."""
+        handles = {r.handle for r in cmd.batch}
+        return all(r.chain for r in self._requests.values() if r.handle in handles)
 
     def _handle(self, req: Request, defined: list[RequestHandle]) -> int:
         """``req``'s handle; a new one (smallest free) is defined in this command."""
@@ -478,21 +486,13 @@ class Coordinator:
 
     @property
     def counters(self) -> CoordinatorCounters:
-        s = self.res.stats
         states = [r.state for r in self._requests.values()]
         return CoordinatorCounters(
-            steps=s["steps"], admitted=s["admitted"], waiting=len(self._waiting),
-            running=states.count(RequestState.RUNNING), finished=s["finished"],
-            spills=s["spills"], restores=s["restores"], backups=s["backups"],
-            spill_bytes=s["spill_bytes"], restore_bytes=s["restore_bytes"],
-            backup_bytes=s["backup_bytes"], conversions_to_host=s["conversions_to_host"],
-            prefix_hit_pages=s["prefix_hit_pages"], published_pages=s["published_pages"],
-            evictions=self.host.evictions, stalls=s["stalls"], chained_rows=s["chained_rows"],
-            dropped_rows=s["dropped_rows"],
+            **{k: self.res.stats[k] for k in _STAT_COUNTERS}, waiting=len(self._waiting),
+            running=states.count(RequestState.RUNNING), evictions=self.host.evictions,
             device_blocks_total=self.device.num_blocks, device_blocks_used=self.device.num_used,
             host_blocks_total=self.host.num_blocks, host_blocks_used=self.host.num_used,
-            host_blocks_cached=self.host.num_cached,
-        )
+            host_blocks_cached=self.host.num_cached)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any coordinator, pool or transfer invariant is broken."""

@@ -293,7 +293,7 @@ class HiSparseWorker:
                 for rid, h, m in fast_counts:  # the fast step reads its own (with its tokens)
                     counts[rid] = (h, m)
             else:
-                sampled = step.forward
+                sampled = step.forward if self.writer else ()
             if self.writer:
                 self._finished = (cmd.step, [t for _, t in sampled])
         per_request = [(rid, h, m) for rid, (h, m) in counts.items()]
@@ -311,8 +311,14 @@ class HiSparseWorker:
             published=self.pool.published() if self.writer else 0)
 
     def _rows(self, cmd: StepCommand, fast: bool) -> list[Row]:
-        return name_rows(cmd, self._name, self.samplers, self._last, writer=self.writer,
-                         fast=fast, tokens_of=None if self.fast is None else self.fast.tokens_of)
+        return name_rows(cmd, self._name, self.samplers, self._last, fast=fast,
+                         tokens_of=None if self.fast is None else self.fast.tokens_of)
+
+    def wait(self, step: Launched) -> None:
+        """Block until a launched step's outputs reached the host (touches no executor state:
+        a pipelined rank waits here outside its lock, then calls :meth:`finish`)."""
+        if step.fast and step.forward is not None and step.forward.ready is not None:
+            step.forward.ready.synchronize()
 
     def _name(self, cmd: StepCommand, handle: int) -> RequestId:
         rid = self.handles.get(handle)
@@ -429,15 +435,15 @@ class HiSparseWorker:
         logits = torch.cat(parts)
         if self.on_logits is not None:
             self.on_logits(batch, logits)
-        sampled: tuple = ()
-        if self.writer:
-            rows = logits.detach().float().cpu()
-            toks = []
-            for b, r in enumerate(batch):
-                sampler = self.samplers.get(r.request_id)
-                toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
-            sampled = tuple((r.request_id, t) for r, t in zip(batch, toks))
-        return sampled
+        # every rank: a peer's greedy tokens feed its chained rows of the next step (its logits
+        # are rank 0's: the same all-reduced hidden state through the same replicated head);
+        # only rank 0 samples with a temperature and reports tokens
+        rows = logits.detach().float().cpu()
+        toks = []
+        for b, r in enumerate(batch):
+            sampler = self.samplers.get(r.request_id) if self.writer else None
+            toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
+        return tuple((r.request_id, t) for r, t in zip(batch, toks))
 
     def _launch_fast(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
         """Enqueue the batch as one fast step. The step's backups are enqueued while the GPU runs

@@ -34,15 +34,15 @@ class Launched(NamedTuple):
 
 
 def name_rows(cmd: StepCommand, name: Callable[[StepCommand, int], RequestId],
-              samplers: Mapping[RequestId, Any], last: tuple[int, Any] | None, *, writer: bool,
+              samplers: Mapping[RequestId, Any], last: tuple[int, Any] | None, *,
               fast: bool, tokens_of: Callable[[Any], list[int]] | None) -> list[Row]:
     """The command's rows with their requests named (``name(cmd, handle)``). A chained row
     (``prev_row >= 0``) reads the token its request's row of the previous command sampled:
-    ``last`` is ``(step, what it left)``, the reference path's ``(request, token)`` pairs (rank 0)
-    or a fast launch (``tokens_of`` reads it back). On the fast step after a fast step the token
+    ``last`` is ``(step, what it left)``, the reference path's ``(request, token)`` pairs (every
+    rank's greedy choice) or a fast launch (``tokens_of`` reads it back). On the fast step after a fast step the token
     stays on the device (``input_token`` -1, ``from_row`` set); otherwise it is filled in here.
     StateError for a chained row the rank cannot feed: a host-sampled request (temperature > 0),
-    a previous step this rank did not run with rows, a reference-path peer (no tokens)."""
+    a previous step this rank did not run with rows."""
     rows = []
     for r in cmd.batch:
         rid = name(cmd, r.handle)
@@ -59,9 +59,6 @@ def name_rows(cmd: StepCommand, name: Callable[[StepCommand, int], RequestId],
                              f"step {cmd.step - 1}, which this rank did not run with rows")
         src = last[1]
         if isinstance(src, tuple):  # the reference path's (request, token) pairs
-            if not writer:
-                raise StateError(f"step {cmd.step} chains request {rid!r}: on the reference "
-                                 "path only rank 0 samples (chaining needs the fast path)")
             token = src[r.prev_row][1]
         elif fast:  # the previous fast step: the step reads it on the device
             rows.append(Row(rid, r.seq_len, -1, r.hot_blocks, r.prev_row))
