@@ -405,20 +405,43 @@ class ReplicaCoordinator:
 
     # -- the step loop -----------------------------------------------------------------------------
     def _step_loop(self) -> None:
+        """Take, send and gather steps until stopped or fenced. With ``ReplicaSpec.lookahead``
+        command N + 1 is taken and sent before step N's reports are gathered, so the
+        coordinator's work and the ranks' input fill run while the GPUs compute step N; a
+        command holding a row that does not chain (a request sampling with a temperature: its
+        token is drawn from the logits on rank 0), or none, is gathered before the next is
+        taken (without lookahead: every command). Nothing is left in flight when it returns."""
         timeout = self.spec.step_timeout_s
+        inflight = None  # (step, whether the next command may be taken before its reports)
         try:
-            if self.spec.lookahead:
-                self._pipelined_steps(timeout)
-            while not self._stop.is_set() and self._fatal is None:  # a fence stops steps
-                with self.lock:
-                    for adm in self.core.poll_waiting():
-                        self._dispatch(adm)
-                    cmd = self.core.take_command()
-                if cmd is None:
+            while True:
+                cmd = None
+                live = not self._stop.is_set() and self._fatal is None  # a fence stops steps
+                if live and (inflight is None or inflight[1]):
+                    with self.lock:
+                        for adm in self.core.poll_waiting():
+                            self._dispatch(adm)
+                        cmd = self.core.take_command()
+                        chains = (self.spec.lookahead and cmd is not None and bool(cmd.batch)
+                                  and self.core.rows_chain(cmd))
+                    if cmd is not None:
+                        self.channels.send(cmd, timeout)
+                gathered = inflight is not None
+                if gathered:
+                    reports = self.channels.gather(inflight[0], timeout)
+                    inflight = None
+                    with self.cond:
+                        for rep in reports:
+                            self.core.apply_report(rep)
+                        self._account(reports[0])
+                        self.cond.notify_all()
+                if cmd is not None:
+                    inflight = (cmd.step, chains)
+                elif not live:
+                    return
+                elif not gathered:  # nothing to send, nothing in flight
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
-                    continue
-                self._apply(self.channels.round_trip(cmd, timeout))
         except (ChannelError, HiSparseError) as err:
             with self.cond:
                 self._fatal = err
@@ -428,43 +451,6 @@ class ReplicaCoordinator:
                 self._fatal = err
                 self.cond.notify_all()
             raise
-
-    def _apply(self, reports) -> None:
-        with self.cond:
-            for rep in reports:
-                self.core.apply_report(rep)
-            self._account(reports[0])
-            self.cond.notify_all()
-
-    def _pipelined_steps(self, timeout: float) -> None:
-        """The step loop one deep (``ReplicaSpec.lookahead``): command N + 1 is taken and sent
-        before step N's reports are gathered, so the coordinator's work and the ranks' input
-        fill run while the GPUs compute step N. A command holding a row of a request that does
-        not chain (it samples with a temperature: its token is drawn from the logits on rank 0)
-        is gathered before the next is taken. Returns when stopped or fenced, nothing in flight."""
-        inflight = None  # (step, whether the next command may be taken before its reports)
-        while True:
-            cmd = None
-            live = not self._stop.is_set() and self._fatal is None
-            if live and (inflight is None or inflight[1]):
-                with self.lock:
-                    for adm in self.core.poll_waiting():
-                        self._dispatch(adm)
-                    cmd = self.core.take_command()
-                    chains = cmd is not None and self.core.rows_chain(cmd)
-                if cmd is not None:
-                    self.channels.send(cmd, timeout)
-            gathered = inflight is not None
-            if gathered:
-                self._apply(self.channels.gather(inflight[0], timeout))
-                inflight = None
-            if cmd is not None:
-                inflight = (cmd.step, chains)
-            elif not live:
-                return
-            elif not gathered:  # nothing to send, nothing in flight
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
 
     def _account(self, report) -> None:
         """(lock held) After a step, from rank 0's report (a token per batch row): each request's

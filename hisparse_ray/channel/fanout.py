@@ -50,15 +50,8 @@ class RankChannels:
         """Broadcast ``cmd`` to every rank, then take one report per rank, in whatever order
         they arrive (``_gather``). ``ChannelTimeoutError`` / ``ChannelPeerLostError`` when a rank
         does not answer within ``timeout`` s or died."""
-        with self._lock:
-            t0 = time.perf_counter()
-            self.commands.send(cmd, timeout)
-            sent = time.perf_counter()
-            reports, found, loaded = self._gather(timeout)
-            dt = time.perf_counter() - t0
-        self.log.append((cmd.step, dt))
-        self.trace.append((cmd.step, t0, sent, tuple(found), tuple(loaded)))
-        return reports
+        self.send(cmd, timeout)
+        return self.gather(cmd.step, timeout)
 
     def send(self, cmd: StepCommand, timeout: float) -> None:
         """Broadcast ``cmd``; its reports are taken by :meth:`gather` (in step order)."""

@@ -22,6 +22,7 @@ from hisparse_ray.errors import (
     ChannelError,
     ChannelTimeoutError,
     MessageTooLargeError,
+    StateError,
 )
 from hisparse_ray.types import BatchRow, Rank, RequestHandle, RequestId, StepCommand, StepReport
 
@@ -337,6 +338,46 @@ def test_rank_channels_broadcast_one_command_and_gather_every_report():
         assert [(r.step, r.rank, r.published) for r in reports] == [(7, 0, 2), (7, 1, 0), (7, 2, 0)]
         (step, t0, sent, found, loaded) = chans.trace[-1]
         assert step == 7 and t0 <= sent <= min(found) and found[2] <= found[0]
+    finally:
+        for e in ends:
+            e.close()
+        chans.close()
+
+
+def test_rank_channels_pipelined_send_and_gather_in_step_order():
+    """``ReplicaSpec.lookahead``: command N + 1 goes out before step N's reports are gathered;
+    each rank answers in step order at its own pace; ``gather`` takes a step's reports only
+    when it is the oldest sent, and a probe is refused while steps are in flight."""
+    import threading
+
+    chans = RankChannels(2, FAST)
+    ends = [ChannelPair.attach(spec, policy=FAST) for spec in chans.specs]
+    chans.unlink()
+    rng = random.Random(3)
+    delays = [[rng.uniform(0, 0.004) for _ in range(40)] for _ in ends]
+    try:
+        def answer(r: int, end: ChannelPair) -> None:
+            for i in range(40):
+                got = end.recv(5)
+                time.sleep(delays[r][i])
+                end.send(StepReport(got.step, Rank(r)), 5)
+
+        threads = [threading.Thread(target=answer, args=(r, e)) for r, e in enumerate(ends)]
+        for t in threads:
+            t.start()
+        chans.send(StepCommand(1), 5)
+        for step in range(2, 41):
+            chans.send(StepCommand(step), 5)
+            with pytest.raises(StateError, match="in flight"):
+                chans.probe(1, 1)
+            with pytest.raises(StateError, match="gather of step"):
+                chans.gather(step, 5)  # step - 1 is older
+            assert [(r.step, r.rank) for r in chans.gather(step - 1, 5)] == [(step - 1, 0),
+                                                                            (step - 1, 1)]
+        assert [(r.step, r.rank) for r in chans.gather(40, 5)] == [(40, 0), (40, 1)]
+        for t in threads:
+            t.join()
+        assert [s for s, _ in list(chans.log)[-40:]] == list(range(1, 41))
     finally:
         for e in ends:
             e.close()
