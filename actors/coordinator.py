@@ -186,9 +186,8 @@ class ReplicaCoordinator:
             if fast is not None and len(prompt) + max_new_tokens > fast.max_context:
                 raise CapacityError(f"positions of request {request_id!r} (fast_path.max_context)",
                                     len(prompt) + max_new_tokens, fast.max_context)
-            chain = self.spec.lookahead and (sampling is None or sampling.greedy)
             adm = self.core.admit(RequestId(request_id), list(prompt), max_new_tokens, eos_token_id,
-                                  chain=chain)
+                                  chain=self.spec.lookahead)
             self.records.add(rec)
             self.exporter.submitted(len(prompt))
             self._prompts[request_id] = list(prompt)
@@ -408,8 +407,7 @@ class ReplicaCoordinator:
         """Take, send and gather steps until stopped or fenced. With ``ReplicaSpec.lookahead``
         command N + 1 is taken and sent before step N's reports are gathered, so the
         coordinator's work and the ranks' input fill run while the GPUs compute step N; a
-        command holding a row that does not chain (a request sampling with a temperature: its
-        token is drawn from the logits on rank 0), or none, is gathered before the next is
+        command holding a row that does not chain, or none, is gathered before the next is
         taken (without lookahead: every command). Nothing is left in flight when it returns."""
         timeout = self.spec.step_timeout_s
         inflight = None  # (step, whether the next command may be taken before its reports)

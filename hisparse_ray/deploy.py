@@ -131,9 +131,9 @@ class DeployOptions:
                              "torch.compile (fused kernels; compiles in a bucket's first step, "
                              "once per rank process): on, off", "replica", choices=ON_OFF)
     lookahead: str = _opt("off", "pipeline the decode steps one deep: step N + 1 goes to the ranks "
-                          "before step N's tokens are read, greedy requests feed their next row "
-                          "from the device (the same tokens; requests sampling with a temperature "
-                          "make their steps wait): on, off", "replica", choices=ON_OFF)
+                          "before step N's tokens are read, each row fed the token its previous "
+                          "row sampled on the device (the same tokens): on, off", "replica",
+                          choices=ON_OFF)
     kv_cache_dtype: str = _opt("auto", "KV rows in every pool and landing: auto = the model dtype, "
                                "fp32, bf16, fp8 (656 B rows)", "replica", choices=KV_CACHE_DTYPES)
     index_key_dtype: str = _opt("auto", "the fast path's GPU index keys: auto = the model dtype, "

@@ -57,12 +57,11 @@ class EngineConfig:
         reference path. Its largest bucket must hold ``max_batch``.
     lookahead: pipeline the steps one deep: the host takes and launches step N + 1 before it
         reads step N's tokens, so its work (applying report N, building command N + 1, filling
-        the inputs) runs while the GPU computes. Greedy requests chain (``Coordinator.admit
-        (chain=True)``: a row's input is read on the device from the step before); a step with a
-        row sampling on the host (temperature > 0) is finished before the next one is taken. The
-        tokens are those of ``lookahead=False``; a step that finds eos was already followed by
-        one more row of its request, whose output is dropped. Pays on the GPU's fast path only
-        (elsewhere a step runs to the end when launched).
+        the inputs) runs while the GPU computes. Every request chains (``Coordinator.admit
+        (chain=True)``: a row's input is read on the device from the step before, where it was
+        sampled, greedy or not). The tokens are those of ``lookahead=False``; a step that finds
+        eos was already followed by one more row of its request, whose output is dropped. Pays
+        on the GPU's fast path only (elsewhere a step runs to the end when launched).
     device: "cpu", "cuda" or "cuda:N". backend: the resolver's ("auto", "cuda", "torch").
     Every field is checked at construction (ConfigError naming it); ``Engine`` then checks the
     HiSparse config against the model (``HiSparseConfig.check_model``).
@@ -215,9 +214,8 @@ class Engine:
         if fast is not None and len(p.prompt) + max_new_tokens > fast.max_context:
             raise CapacityError(f"positions of request {rid!r} (fast_path.max_context)",
                                 len(p.prompt) + max_new_tokens, fast.max_context)
-        chain = self.config.lookahead and (sampling is None or sampling.temperature <= 0)
         adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id,
-                              chain=chain)  # validates first
+                              chain=self.config.lookahead)  # validates first
         self._known[rid] = p
         self.worker.set_sampling(rid, sampling or SamplingParams())
         if adm is not None:
@@ -303,7 +301,7 @@ class Engine:
         (its tokens applied) after that launch, so ``result`` may lag one step behind until
         ``run`` returns or ``done`` holds."""
         if self._inflight is not None and not self.core.rows_chain(self._inflight.cmd):
-            self._finish_inflight()  # a host-sampled token feeds the next step
+            self._finish_inflight()  # an unchained row's token feeds the next step
         self._land_all(self.core.poll_waiting())
         cmd = self.core.take_command()
         if cmd is None:

@@ -159,9 +159,11 @@ class SamplingParams:
     ``temperature`` 0 is greedy (argmax; ``top_k`` / ``top_p`` ignored, bit-exact like before
     sampling existed); otherwise softmax(logits / temperature) restricted to the ``top_k`` most
     likely tokens (0 = all) and then to the smallest set whose probability reaches ``top_p``
-    (1.0 = all), drawn with a CPU generator seeded from ``seed``: a request samples the same
-    tokens on every run and in every mode (HiSparse and full-resident give the same logits).
-    Rides to rank 0 with the last chunk of the request's landing (``RankLandingStep.sampling``)."""
+    (1.0 = all), drawn with a counter-based hash of ``seed`` and the row's position
+    (``rank/sampler.py``): a request samples the same tokens on every run, on every rank and in
+    every mode (HiSparse and full-resident give the same logits), where the logits are.
+    Rides to every rank with the last chunk of the request's landing
+    (``RankLandingStep.sampling``)."""
 
     temperature: float = 0.0
     seed: int = 0
@@ -421,7 +423,7 @@ class RankLandingStep:
        staging rows ``[row, row + n)`` into the request's key cache (created on first use with
        room for ``capacity`` positions);
     4. ``last``: the request's key cache holds ``num_positions`` keys (it may decode once every
-       rank finished its steps); rank 0 takes the request's ``sampling`` then."""
+       rank finished its steps); the rank takes the request's ``sampling`` then."""
 
     request_id: str
     num_positions: int

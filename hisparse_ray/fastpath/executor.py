@@ -23,6 +23,7 @@ from hisparse_ray.fastpath.index_keys import PagedIndexKeys
 from hisparse_ray.fastpath.inputs import RowInput, RowTables
 from hisparse_ray.fastpath.step import FastDecodeStep, index_pages_for
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
+from hisparse_ray.rank.sampler import sample_rows
 
 
 def index_key_kind(value: str, model_dtype: torch.dtype) -> str:
@@ -141,12 +142,16 @@ class FastExecutor:
                         t, src)
 
     # -- one step -----------------------------------------------------------------------------------
-    def launch(self, batch: Sequence[Any], keep_logits: bool = False) -> FastLaunch:
+    def launch(self, batch: Sequence[Any], keep_logits: bool = False,
+               sampling: Sequence[Any] | None = None) -> FastLaunch:
         """Fill the inputs and enqueue one step and the copy of its outputs (no sync); read it
         with :meth:`collect`. ``batch``: rows as :meth:`row_input` takes them. At most two
         launches are unread at a time (the one before the previous must have been read).
         keep_logits: keep a copy of the logits for :meth:`collect` (else it returns the step's
-        static logits, valid only until the next launch)."""
+        static logits, valid only until the next launch). sampling: each row's
+        ``SamplingParams`` (None: greedy); rows with a temperature are drawn on the device
+        (:func:`~hisparse_ray.rank.sampler.sample`, counter = the row's position) into the
+        step's tokens, where the next step's chained rows read them."""
         B = len(batch)
         bucket = self.cfg.bucket(B)
         slot = self._launches % 2
@@ -158,6 +163,9 @@ class FastExecutor:
         self.step.inputs.fill(rows, bucket)
         self.step.run(bucket)
         st = self.step
+        if sampling is not None and any(p is not None and not p.greedy for p in sampling):
+            st.tokens[:B].copy_(sample_rows(st.logits[:B], sampling,
+                                            [r.seq_len - 1 for r in batch]))
         out = self._outs[slot][: 3 * B].view(3, B)
         ready = None
         if self._dev_out is not None:  # one kernel and one copy behind the step

@@ -68,8 +68,9 @@ def plan_chunk(request_id: str, num_positions: int, page_size: int, path: str,
     chunk's pages; ``run``: its staging run (page ``part[j]`` -> staging block ``run[j]``), or ()
     when the chunk leases none. With key staging on the ranks and a run, every rank also gets
     the indexer keys of all the chunk's positions. Returns one ``LandingDest`` per rank that is
-    written and one ``RankLandingStep`` per rank (in endpoint order); rank 0's step of the last
-    chunk carries ``sampling`` (rank 0 samples)."""
+    written and one ``RankLandingStep`` per rank (in endpoint order); every rank's step of the
+    last chunk carries ``sampling`` (every rank draws the same token: a peer feeds it to its
+    chained row of the next step, ``ReplicaSpec.lookahead``)."""
     T, P = num_positions, page_size
     slot = {page: run[j] for j, page in enumerate(part)} if run else {}
     kv = [(page, block[page]) for page in part if page in block]
@@ -108,7 +109,7 @@ def plan_chunk(request_id: str, num_positions: int, page_size: int, path: str,
         steps.append(RankLandingStep(
             request_id, T, capacity, timeout_s, notif, unstage,
             host_written=r == 0 and path == "direct" and bool(kv), keys=keys, last=last,
-            layer_groups=groups, sampling=sampling if last and r == 0 else None))
+            layer_groups=groups, sampling=sampling if last else None))
     return dests, steps
 
 

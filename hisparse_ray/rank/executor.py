@@ -41,7 +41,7 @@ from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.cache import IndexerKeyCache
 from hisparse_ray.rank.rows import Launched, Row, name_rows
 from hisparse_ray.rank.runtime import HiSparseCacheHandle, HiSparseRuntime
-from hisparse_ray.rank.sampler import Sampler
+from hisparse_ray.rank.sampler import Sampler, sample_rows
 from hisparse_ray.types import (
     NO_BLOCK, Admission, RequestId, SamplingParams, StepCommand, StepReport, TransferKind,
 )
@@ -311,7 +311,7 @@ class HiSparseWorker:
             published=self.pool.published() if self.writer else 0)
 
     def _rows(self, cmd: StepCommand, fast: bool) -> list[Row]:
-        return name_rows(cmd, self._name, self.samplers, self._last, fast=fast,
+        return name_rows(cmd, self._name, self._last, fast=fast,
                          tokens_of=None if self.fast is None else self.fast.tokens_of)
 
     def wait(self, step: Launched) -> None:
@@ -435,30 +435,29 @@ class HiSparseWorker:
         logits = torch.cat(parts)
         if self.on_logits is not None:
             self.on_logits(batch, logits)
-        # every rank: a peer's greedy tokens feed its chained rows of the next step (its logits
-        # are rank 0's: the same all-reduced hidden state through the same replicated head);
-        # only rank 0 samples with a temperature and reports tokens
-        rows = logits.detach().float().cpu()
-        toks = []
-        for b, r in enumerate(batch):
-            sampler = self.samplers.get(r.request_id) if self.writer else None
-            toks.append(sampler(rows[b]) if sampler else int(rows[b].argmax()))
+        # every rank samples: a peer's tokens feed its chained rows of the next step (its logits
+        # are rank 0's: the same all-reduced hidden state through the same replicated head, and
+        # the same counter-based draws); rank 0 reports them
+        toks = sample_rows(logits.detach(), self._params(batch),
+                           [r.seq_len - 1 for r in batch]).tolist()
         return tuple((r.request_id, t) for r, t in zip(batch, toks))
+
+    def _params(self, batch: list[Row]) -> list[SamplingParams | None]:
+        """Each row's sampling parameters (None: greedy)."""
+        return [None if s is None else s.params
+                for s in map(self.samplers.get, (r.request_id for r in batch))]
 
     def _launch_fast(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
         """Enqueue the batch as one fast step. The step's backups are enqueued while the GPU runs
         (the copy stream waits for the launched step, which writes the rows they copy)."""
-        keep = self.on_logits is not None or any(
-            s.params.temperature > 0 for s in map(self.samplers.get, (r.request_id for r in batch))
-            if s is not None)
-        launched = self.fast.launch(batch, keep_logits=keep)
+        launched = self.fast.launch(batch, keep_logits=self.on_logits is not None,
+                                    sampling=self._params(batch))
         if cmd.backups:
             self._enqueue_backups(cmd, enqueued)
         return launched
 
     def _collect_fast(self, batch: list[Row], launched: Any):
-        """A launched fast step's outputs (greedy tokens come from the device; a row sampling
-        with a temperature reads its logits back)."""
+        """A launched fast step's outputs: its tokens (sampled on the device) and counts."""
         toks, hits, misses, logits = self.fast.collect(launched)
         if self.on_logits is not None:
             fin = self._finished
@@ -468,16 +467,7 @@ class HiSparseWorker:
         per_request = [(r.request_id, h, m) for r, h, m in zip(batch, hits, misses)]
         if not self.writer:
             return (), per_request
-        host = None
-        out = []
-        for b, r in enumerate(batch):
-            sampler = self.samplers.get(r.request_id)
-            if sampler is not None and sampler.params.temperature > 0:
-                host = logits.float().cpu() if host is None else host
-                out.append((r.request_id, sampler(host[b])))
-            else:
-                out.append((r.request_id, toks[b]))
-        return tuple(out), per_request
+        return tuple((r.request_id, t) for r, t in zip(batch, toks)), per_request
 
     def close(self) -> None:
         self._take_completed(wait=True)

@@ -4,7 +4,7 @@ request named and, for a chained row, its input token found), and ``Launched``, 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from hisparse_ray.errors import StateError
 from hisparse_ray.types import RequestId, StepCommand
@@ -34,26 +34,20 @@ class Launched(NamedTuple):
 
 
 def name_rows(cmd: StepCommand, name: Callable[[StepCommand, int], RequestId],
-              samplers: Mapping[RequestId, Any], last: tuple[int, Any] | None, *,
+              last: tuple[int, Any] | None, *,
               fast: bool, tokens_of: Callable[[Any], list[int]] | None) -> list[Row]:
     """The command's rows with their requests named (``name(cmd, handle)``). A chained row
     (``prev_row >= 0``) reads the token its request's row of the previous command sampled:
     ``last`` is ``(step, what it left)``, the reference path's ``(request, token)`` pairs (every
-    rank's greedy choice) or a fast launch (``tokens_of`` reads it back). On the fast step after a fast step the token
+    rank samples) or a fast launch (``tokens_of`` reads it back). On the fast step after a fast step the token
     stays on the device (``input_token`` -1, ``from_row`` set); otherwise it is filled in here.
-    StateError for a chained row the rank cannot feed: a host-sampled request (temperature > 0),
-    a previous step this rank did not run with rows."""
+    StateError for a chained row whose previous step this rank did not run with rows."""
     rows = []
     for r in cmd.batch:
         rid = name(cmd, r.handle)
         if r.prev_row < 0:
             rows.append(Row(rid, r.seq_len, r.input_token, r.hot_blocks))
             continue
-        sampler = samplers.get(rid)
-        if sampler is not None and sampler.params.temperature > 0:
-            raise StateError(f"step {cmd.step} chains request {rid!r}, which samples on the "
-                             f"host (temperature {sampler.params.temperature}): only greedy "
-                             "requests chain")
         if last is None or last[0] != cmd.step - 1:
             raise StateError(f"step {cmd.step} chains request {rid!r} to row {r.prev_row} of "
                              f"step {cmd.step - 1}, which this rank did not run with rows")

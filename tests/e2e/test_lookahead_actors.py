@@ -6,8 +6,8 @@ and shared memory on CPU; every rank's finisher sleeps a random time before each
 
 * TP 2 on the reference path: greedy tokens equal the full-resident engine's (TP 1), through
   host-tier landings and spills, an eos that a chained row had already followed (its token
-  dropped), a request sampling with a temperature (seeded: the same draws; its steps are
-  gathered before the next is taken), and an abort while steps are in flight (its answer a prefix
+  dropped), a request sampling with a temperature (seeded: the same draws, chained like the
+  others), and an abort while steps are in flight (its answer a prefix
   of the full one); afterwards no block is in use.
 * TP 1 on the fast step: host-tier requests chain with their backups in flight (one rank reads
   its own copies in stream order); the tokens equal the full-resident fast-path engine's.

@@ -190,8 +190,8 @@ def _land(ranks, L, P, T, path, cap, groups, keys, block, rng):
                                    send["send"][l, lo:lo + n]), (path, p, l, rk.agent)
     if path == "staged" and block:  # rank 0 published its host writes
         assert ranks[0].pool.published() > 0
-    # rank 0 (the sampler) got the request's sampling with the last chunk; its peers did not
-    assert [rk.caches.sampling.get("rq") for rk in ranks] == [SAMPLING] + [None] * (tp - 1)
+    # every rank got the request's sampling with the last chunk (each draws the same token)
+    assert [rk.caches.sampling.get("rq") for rk in ranks] == [SAMPLING] * tp  # every rank draws
     for rk in ranks:
         cache = rk.caches.index["rq"]
         assert cache.length == T  # the last chunk reached every rank

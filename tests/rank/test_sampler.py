@@ -1,5 +1,7 @@
-"""Rank 0's sampler: greedy is argmax, top-k / top-p cut the distribution as documented, a seed
-gives the same tokens every time, bad parameters are refused naming the key."""
+"""The sampler: greedy is argmax, top-k / top-p cut the distribution as documented, a seed gives
+the same tokens every time, a row's draw does not depend on its batch mates, the draws follow
+the distribution, the counter-based hash never overflows int64 (so CPU and CUDA compute the same
+uniforms), bad parameters are refused naming the key."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse_ray.errors import ConfigError
-from hisparse_ray.rank.sampler import Sampler, probabilities
+from hisparse_ray.rank.sampler import (
+    Sampler, _hash32, kept, probabilities, sample, sample_rows, uniforms,
+)
 from hisparse_ray.types import SamplingParams
 
 
@@ -72,3 +76,72 @@ def test_top_k_1_is_greedy_at_any_temperature():
 def test_bad_parameters_are_refused_naming_the_key(kw, key):
     with pytest.raises(ConfigError, match=key):
         SamplingParams(**kw)
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch_mates():
+    """``sample_rows`` over a batch equals each row alone (the executors batch; the oracle runs
+    requests alone), greedy and sampled rows mixed."""
+    rows = torch.stack([_logits(s, 97) for s in range(12)])
+    params = [None if i % 3 == 0 else SamplingParams(temperature=0.3 + 0.2 * i, top_k=i * 5,
+                                                     top_p=1.0 - 0.05 * i, seed=100 + i)
+              for i in range(12)]
+    counters = [7 * i + 3 for i in range(12)]
+    batch = sample_rows(rows, params, counters).tolist()
+    alone = [int(sample_rows(rows[i:i + 1], [params[i]], [counters[i]])[0]) for i in range(12)]
+    assert batch == alone
+    assert [batch[i] for i in range(0, 12, 3)] == [int(rows[i].argmax()) for i in range(0, 12, 3)]
+    assert Sampler(params[1])(rows[1], counters[1]) == batch[1]
+
+
+def test_the_draws_follow_the_distribution():
+    """Over 20000 counters one row's draws match ``probabilities`` (top-k and top-p applied):
+    every frequency within 0.012 of its probability (a fixed seed: the same draws every run),
+    and no token outside the kept set is ever drawn."""
+    x = torch.tensor([2.0, 1.5, 1.5, 0.3, 0.0, -1.0, -3.0, 1.0])
+    for params in (SamplingParams(temperature=1.0, seed=3),
+                   SamplingParams(temperature=0.7, top_k=4, seed=4),
+                   SamplingParams(temperature=1.3, top_p=0.8, seed=5)):
+        p = probabilities(x, params)
+        n = 20000
+        toks = sample(x.expand(n, -1), torch.full((n,), params.temperature),
+                      torch.full((n,), params.top_k), torch.full((n,), params.top_p),
+                      torch.full((n,), params.seed), torch.arange(n))
+        freq = torch.bincount(toks, minlength=x.numel()).float() / n
+        assert (freq - p).abs().max() < 0.012, (params, freq, p)
+        assert (freq[p == 0] == 0).all()
+
+
+def test_the_hash_stays_in_32_bits_for_any_seed_and_counter():
+    """The mix multiplies in 16-bit halves: never an int64 overflow (whose wrap-around would be
+    undefined, and could differ between devices); the uniforms lie in (0, 1)."""
+    x = torch.tensor([0, 1, 2**31, 2**32 - 1, 123456789], dtype=torch.int64)
+    h = _hash32(x)
+    assert ((h >= 0) & (h < 2**32)).all() and len(set(h.tolist())) == 5
+    for seed in (0, 1, 2**63 - 1, 2**40 + 7):
+        u = uniforms(torch.tensor([seed, seed]), torch.tensor([0, 2**31 - 1]), 1000)
+        assert ((u > 0) & (u < 1)).all()
+        assert not torch.equal(u[0], u[1])  # the counter matters
+        assert abs(float(u.mean()) - 0.5) < 0.03
+
+
+def test_top_k_keeps_ties_with_the_kth_score():
+    x = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.5]])
+    keep = kept(x, torch.tensor([2]), torch.tensor([1.0]))[0].tolist()
+    assert keep == [True, False, True, True, False]  # both 2.0s: the cut is by value
+
+
+@pytest.mark.gpu
+def test_cuda_draws_equal_the_cpus():
+    """The uniforms are integer-derived: bit-identical on CUDA; the tokens too where no two
+    scores are within float rounding of each other (random logits: none)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n, v = 64, 4096
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(n, v, generator=g)
+    args = (torch.full((n,), 0.9), torch.full((n,), 50), torch.full((n,), 0.95),
+            torch.arange(n) * 977, torch.arange(n) + 11)
+    assert torch.equal(uniforms(args[3], args[4], v), uniforms(args[3].cuda(), args[4].cuda(), v).cpu())
+    cpu = sample(logits, *args)
+    gpu = sample(logits.cuda(), *(a.cuda() for a in args)).cpu()
+    assert (cpu == gpu).float().mean() > 0.98

@@ -56,18 +56,22 @@ def test_a_first_row_without_its_hot_buffer_is_caught():
 
 
 def test_a_host_row_read_before_its_generation_reached_the_peers_is_caught():
-    c, w = _setup(prompt=(1, 2, 0), dev=1)  # host tier: every step backs its newest row up
-    cmd = c.take_command()
-    w.execute(cmd)
-    assert w.gen == 1 and w.violations == []
-    for r in range(c.config.tp_size):  # rank 0 reports generation 1: the next command has it
-        rep = w.flush(r)
-        assert rep.published == (1 if r == 0 else 0)
-        c.apply_report(rep)
-    nxt = c.take_command()
-    assert nxt.host_seq == 1
-    w.execute(replace(nxt, host_seq=0))
-    assert any("read with only generation 0 published" in v for v in w.violations), w.violations
+    """With peers (TP 2) a host row is read only once its generation reached them; with one
+    rank, rank 0 reads its own writes in stream order (no peer to wait for)."""
+    for tp in (2, 1):
+        c, w = _setup(prompt=(1, 2, 0), dev=1, tp_size=tp)  # host tier: backups every step
+        cmd = c.take_command()
+        w.execute(cmd)
+        assert w.gen == 1 and w.violations == []
+        for r in range(c.config.tp_size):  # rank 0 reports generation 1: the next command has it
+            rep = w.flush(r)
+            assert rep.published == (1 if r == 0 else 0)
+            c.apply_report(rep)
+        nxt = c.take_command()
+        assert nxt.host_seq == 1
+        w.execute(replace(nxt, host_seq=0))
+        caught = any("read with only generation 0 published" in v for v in w.violations)
+        assert caught == (tp > 1), w.violations
 
 
 def test_a_host_seq_never_published_is_caught():
