@@ -224,44 +224,20 @@ class DecodeWorker:
         self._thread.start()
 
     def _loop(self) -> None:
-        if self.spec.lookahead:
-            self._pipelined_loop()
-            return
-        ch = self._channel
-        try:
-            while not self._stop.is_set():
-                try:
-                    cmd = ch.recv(timeout=POLL_S)
-                except ChannelTimeoutError:
-                    continue
-                t0 = time.perf_counter()
-                with self._lock:
-                    # rank 0 returns with its host writes enqueued and published (the report
-                    # carries the generation); a peer's streams wait on it (cmd.host_seq)
-                    report = self.executor.execute(cmd)
-                t1 = time.perf_counter()
-                dt = t1 - t0
-                self.step_s += dt
-                self.steps += 1
-                self.step_log.append((cmd.step, dt))
-                ch.send(report, timeout=self.spec.step_timeout_s)
-                self.step_trace.append((cmd.step, ch.ready_t, t0, t1, time.perf_counter()))
-        except (ChannelClosedError, ChannelPeerLostError):
-            pass
-        except BaseException as err:  # surfaced through stats(); the coordinator times out
-            self._error = err
-
-    def _pipelined_loop(self) -> None:
-        """The step thread one deep (``ReplicaSpec.lookahead``): each command is launched as it
-        arrives (the fast step returns once its GPU work is enqueued), while a finisher thread
-        waits for the launched steps in order, outside the lock, finishes each under it and sends
-        its report. Command N + 1 (sent by the coordinator before it read report N) is thus
-        launched while the GPU still computes step N."""
+        """Receive commands and run them. Without lookahead each command is launched and
+        finished under the lock, its report sent before the next is received. With
+        ``ReplicaSpec.lookahead`` each command is launched as it arrives (the fast step returns
+        once its GPU work is enqueued) while a finisher thread waits for the launched steps in
+        order, outside the lock, finishes each under it and sends its report: command N + 1
+        (sent by the coordinator before it read report N) is launched while the GPU still
+        computes step N."""
         ch = self._channel
         launched: queue.Queue = queue.Queue()
-        finisher = threading.Thread(target=self._finish_steps, args=(launched,),
-                                    name=f"finish-r{self.rank}", daemon=True)
-        finisher.start()
+        finisher = None
+        if self.spec.lookahead:
+            finisher = threading.Thread(target=self._finish_steps, args=(launched,),
+                                        name=f"finish-r{self.rank}", daemon=True)
+            finisher.start()
         try:
             while not self._stop.is_set() and self._error is None:
                 try:
@@ -270,18 +246,24 @@ class DecodeWorker:
                     continue
                 t0 = time.perf_counter()
                 with self._lock:
+                    # rank 0 returns with its host writes enqueued and published (the report
+                    # carries the generation); a peer's streams wait on it (cmd.host_seq)
                     step = self.executor.launch(cmd)
-                launched.put((step, ch.ready_t, t0))
+                    report = None if finisher else self.executor.finish(step)
+                if finisher:
+                    launched.put((step, ch.ready_t, t0))
+                else:
+                    self._send_report(cmd.step, report, ch.ready_t, t0)
         except (ChannelClosedError, ChannelPeerLostError):
             pass
         except BaseException as err:  # surfaced through stats(); the coordinator times out
             self._error = err
         finally:
-            launched.put(None)
-            finisher.join(timeout=self.spec.step_timeout_s)
+            if finisher is not None:
+                launched.put(None)
+                finisher.join(timeout=self.spec.step_timeout_s)
 
     def _finish_steps(self, launched: queue.Queue) -> None:
-        ch = self._channel
         try:
             while True:
                 item = launched.get()
@@ -293,16 +275,21 @@ class DecodeWorker:
                 self.executor.wait(step)  # the GPU finishing the step: the lock stays free
                 with self._lock:
                     report = self.executor.finish(step)
-                t1 = time.perf_counter()
-                self.step_s += t1 - t0  # launched to finished (overlaps the next launch)
-                self.steps += 1
-                self.step_log.append((step.cmd.step, t1 - t0))
-                ch.send(report, timeout=self.spec.step_timeout_s)
-                self.step_trace.append((step.cmd.step, ready_t, t0, t1, time.perf_counter()))
+                self._send_report(step.cmd.step, report, ready_t, t0)
         except (ChannelClosedError, ChannelPeerLostError):
             pass
         except BaseException as err:  # surfaced through stats(); the coordinator times out
             self._error = err
+
+    def _send_report(self, step: int, report: Any, ready_t: float, t0: float) -> None:
+        """Count a finished step (seconds from its launch: with lookahead they overlap the next
+        launch) and send its report."""
+        t1 = time.perf_counter()
+        self.step_s += t1 - t0
+        self.steps += 1
+        self.step_log.append((step, t1 - t0))
+        self._channel.send(report, timeout=self.spec.step_timeout_s)
+        self.step_trace.append((step, ready_t, t0, t1, time.perf_counter()))
 
     def set_finish_jitter(self, seconds: float, seed: int = 0) -> None:
         """Tests: with ``lookahead``, sleep a random 0..``seconds`` before finishing each step

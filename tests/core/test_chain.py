@@ -242,9 +242,9 @@ def test_no_chained_row_after_a_command_without_the_request():
     assert rows(c, step_of(c))[0] == ("a", 10, 4, -1)
 
 
-def test_an_aborted_chained_page_is_not_published():
-    """A chained row wrote the last position of a page, fed a token that never arrives (abort):
-    the page is never published, though its backup completed."""
+def _page_filled_by_a_chained_row():
+    """Host tier, page size 2: step 1 writes position 2 (page 1 row 0), chained step 2 writes
+    position 3 (page 1 row 1), both backups completed, no token reported yet."""
     c = make(dev=1, host=8, ps=2, H=1, tp=1)
     c.admit("a", [3, 4, 5], 6, chain=True)  # positions 0, 1 landed: page 0 published
     c.apply_landed("a")
@@ -254,6 +254,13 @@ def test_an_aborted_chained_page_is_not_published():
     two = step_of(c)  # chained, position 3: page 1 row 1, fed the token of step 1
     assert rows(c, two) == [("a", 4, 0, 0)]
     apply(c, StepReport(2, 0, completed=tids(two), published=2))
+    return c, one, two
+
+
+def test_an_aborted_chained_page_is_not_published():
+    """A chained row wrote the last position of a page, fed a token that never arrives (abort):
+    the page is never published, though its backup completed."""
+    c, one, two = _page_filled_by_a_chained_row()
     assert c.counters.published_pages == 1  # page 1 is backed up, its last token unknown
     c.finish("a")
     c.check_invariants()
@@ -289,15 +296,7 @@ def test_the_reference_worker_flags_a_wrong_chain(prev_row, why):
 def test_a_page_a_chained_row_completed_is_published_once_its_tokens_are_known():
     """The backup of a chained row that fills a page may complete before the token it was fed
     arrives: the page is published when that token arrives."""
-    c = make(dev=1, host=8, ps=2, H=1, tp=1)
-    c.admit("a", [3, 4, 5], 6, chain=True)  # positions 0, 1 landed: page 0 published
-    c.apply_landed("a")
-    assert c.counters.published_pages == 1
-    one = step_of(c)  # position 2: page 1 row 0
-    apply(c, StepReport(1, 0, completed=tids(one), published=1))
-    two = step_of(c)  # chained, position 3: page 1 row 1, fed the token of step 1
-    assert rows(c, two) == [("a", 4, 0, 0)]
-    apply(c, StepReport(2, 0, completed=tids(two), published=2))
+    c, one, two = _page_filled_by_a_chained_row()
     assert c.counters.published_pages == 1  # page 1's last token is not known yet
     report(c, one, {"a": 7})
     assert c.counters.published_pages == 2

@@ -76,7 +76,7 @@ def test_tp2_reference_path_lookahead_equals_full_resident(ray_cluster):
         co = rep.coordinator
         for rid, p in greedy:
             ray.get(co.submit.remote(rid, p, max_new, eos if rid == "d" else None))
-        ray.get(co.wait.remote(["d"], 300))  # its eos step ran among chaining requests only
+        ray.get(co.wait.remote(["d"], 300))  # then a sampled request (it chains too)
         ray.get(co.submit.remote("t", t_prompt, 10, sampling=temp))
         ray.get(co.wait.remote(["b"], 300))
         got_x = ray.get(co.abort.remote("x"))  # mid-run, steps in flight

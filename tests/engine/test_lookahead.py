@@ -17,24 +17,8 @@ import torch
 
 from hisparse_ray.engine import Engine, EngineConfig
 from hisparse_ray.errors import ConfigError, StateError
-from hisparse_ray.fastpath.config import FastPathConfig
-from hisparse_ray.model.config import tiny_config
-from hisparse_ray.model.model import build_random_model
 from hisparse_ray.types import BatchRow, RequestState, SamplingParams, StepCommand
-
-H = 16  # the engine's default hot buffer (top-k 8, page 8)
-ONE = FastPathConfig(max_context=256, buckets=(4,))
-
-
-@pytest.fixture(scope="module")
-def dense():
-    cfg = tiny_config()
-    return build_random_model(cfg.with_(mlp_layer_types=("dense",) * cfg.num_hidden_layers), seed=2)
-
-
-def prompts_of(lengths, vocab, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+from tests.fastpath.test_engine_fast import H, ONE, dense, prompts_of  # noqa: F401 (a fixture)
 
 
 def config(path: str, lookahead: bool, **kw) -> EngineConfig:
