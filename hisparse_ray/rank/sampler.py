@@ -99,7 +99,11 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams | None],
     dev = logits.device
 
     def col(vals, dtype):
-        return torch.tensor(vals, dtype=dtype, device=dev)
+        if dev.type != "cuda":
+            return torch.tensor(vals, dtype=dtype, device=dev)
+        # from pinned memory, asynchronously: a pageable copy would wait for the stream (the
+        # step just launched), which the step pipeline must not
+        return torch.tensor(vals, dtype=dtype, pin_memory=True).to(dev, non_blocking=True)
 
     return sample(logits, col([p.temperature for p in ps], torch.float32),
                   col([p.top_k for p in ps], torch.int64), col([p.top_p for p in ps], torch.float32),
