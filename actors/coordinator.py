@@ -154,7 +154,7 @@ class ReplicaCoordinator:
                stream: bool = False) -> str:
         """Admit a request (typed error for bad input); returns "landing" or "waiting".
         ``prefill``: index of the prefill worker (in ``add_prefill`` order) that lands it; None =
-        round robin. ``sampling``: how rank 0 samples it (None: greedy). ``stop_token_ids``:
+        round robin. ``sampling``: how the ranks sample it (None: greedy). ``stop_token_ids``:
         sampling one of them finishes it (finish reason "stop"; the token is kept, as an
         ``eos_token_id`` is). ``stream``: hand its tokens to ``take_events`` after every step."""
         if sampling is not None and not isinstance(sampling, SamplingParams):

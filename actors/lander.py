@@ -102,7 +102,7 @@ class Lander:
     def enqueue(self, adm: Admission, prompt: list[int], max_new_tokens: int,
                 sampling: SamplingParams | None = None) -> None:
         """Land ``adm`` after the ones queued before it; its key caches get room for the prompt
-        and ``max_new_tokens``; rank 0 samples it by ``sampling`` (None: greedy)."""
+        and ``max_new_tokens``; every rank samples it by ``sampling`` (None: greedy)."""
         self._queue.put((adm, prompt, max_new_tokens, sampling))
 
     def _run(self) -> None:

@@ -97,8 +97,8 @@ class Coordinator:
         chain: the request's next row may be emitted while its previous step is in flight (one
         step ahead: the caller takes command N + 1 before applying report N); the row then names
         its input as ``prev_row``, the token its row of the previous command samples, which the
-        worker reads on the device (greedy requests only: a token sampled on the host from the
-        logits is not there yet). See :meth:`take_command`.
+        worker reads where it was sampled (on the device on the fast path). See
+        :meth:`take_command`.
 
         Raises DuplicateRequestError, InvalidRequestError, or CapacityError when the request
         could never fit (its life exceeds the device pool and host tier alike)."""

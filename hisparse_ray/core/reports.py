@@ -52,4 +52,3 @@ def check_report(tp: int, last_step: int, book: TransferBook, requests: Mapping[
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < MAX_TOKEN:
             raise InvalidRequestError(rid, f"sampled token {tok!r} is not an int in [0, 2**63)")
         seen.add(rid)
-

@@ -4,8 +4,8 @@ inputs, and reading the step's outputs back.
 
 Host work per step is O(1) per row plus a table copy for rows whose request or tables changed
 (:class:`~hisparse_ray.fastpath.inputs.StepInputs`); the only device -> host read is the sampled
-tokens and hit counts (one sync), plus the logits when a row samples with a temperature or a
-logits observer is set.
+tokens and hit counts (one sync, from a pinned copy made behind the step at launch), plus the
+logits when a logits observer is set.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class FastExecutor:
         if ip >= t.index_table.shape[0]:
             raise CapacityError(f"index key positions of {rid!r}", n, t.index_table.shape[0] * INDEX_PAGE)
         iwrite = int(t.index_table[ip]) * INDEX_PAGE + p % INDEX_PAGE
-        src = getattr(row, "from_row", -1) if row.input_token < 0 else -1
+        src = row.from_row if row.input_token < 0 else -1
         return RowInput(max(row.input_token, 0), n, self.rt.requests[rid].state_row, write, iwrite,
                         t, src)
 
@@ -183,11 +183,11 @@ class FastExecutor:
         return launched
 
     def tokens_of(self, launched: FastLaunch) -> list[int]:
-        """A launch's greedy tokens (waits for it)."""
+        """A launch's sampled tokens (waits for it)."""
         return launched.read()[0]
 
     def collect(self, launched: FastLaunch) -> tuple[list[int], list[int], list[int], Tensor]:
-        """Wait for a launched step -> ``(greedy tokens, hot hits, hot misses)`` per row and its
+        """Wait for a launched step -> ``(sampled tokens, hot hits, hot misses)`` per row and its
         logits ``[B, V]`` fp32 (the kept copy, else a view of the step's static output: valid
         until the next launch)."""
         out = launched.read()

@@ -13,7 +13,8 @@ transfers (SPILL device -> host is written by rank 0 only, the one host-pool wri
 -> device on every rank, MLA KV is replicated); bind hot buffers (a new buffer of a short
 sequence, n <= H, is filled so that slot p holds position p); run the forward (the compute stream
 first waits on every copy still in flight, so a reused block or a backed-up slot is never
-overwritten early, and a host row is never read before it was written); sample (rank 0); enqueue
+overwritten early, and a host row is never read before it was written); sample (every rank, where
+the logits are: ``rank/sampler.py``; rank 0 reports the tokens); enqueue
 the eager backups of the newest rows (rank 0; on the fast path while its launched step runs,
 before its outputs are read back), then publish the step's host writes (rank 0: the
 pool's next generation, its IPC event recorded on the copy stream after them; reported in
@@ -41,14 +42,15 @@ from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.cache import IndexerKeyCache
 from hisparse_ray.rank.rows import Launched, Row, name_rows
 from hisparse_ray.rank.runtime import HiSparseCacheHandle, HiSparseRuntime
-from hisparse_ray.rank.sampler import Sampler, sample_rows
+from hisparse_ray.rank.sampler import sample_rows
 from hisparse_ray.types import (
     NO_BLOCK, Admission, RequestId, SamplingParams, StepCommand, StepReport, TransferKind,
 )
 
 
 
-__all__ = ["HiSparseWorker", "Launched", "Row", "SamplingParams"]  # SamplingParams lives in types (the wire)
+# Launched and Row live in rank/rows.py, SamplingParams in types (the wire)
+__all__ = ["HiSparseWorker", "Launched", "Row", "SamplingParams"]
 
 
 class HiSparseWorker:
@@ -108,7 +110,7 @@ class HiSparseWorker:
         self.fast = None if fast is None else FastExecutor(
             model, self.runtime, self.handle.codec, fast, block_threads=cfg.swap_in_block_size)
         self.index: dict[RequestId, IndexerKeyCache] = {}
-        self.samplers: dict[RequestId, Sampler] = {}  # rank 0; absent = greedy
+        self.samplers: dict[RequestId, SamplingParams] = {}  # absent = greedy
         # copies in flight: (step that enqueued them, transfer ids, handle); a step's report
         # lists completions of its own and earlier steps only (a later launch may be enqueued)
         self._pending: list[tuple[int, tuple[int, ...], CopyHandle]] = []
@@ -145,11 +147,11 @@ class HiSparseWorker:
 
     # -- admission-time state ------------------------------------------------------------------
     def set_sampling(self, rid: RequestId, params: SamplingParams) -> None:
-        """How ``rid`` samples (rank 0; before its first step). Greedy needs no call."""
+        """How ``rid`` samples (every rank; before its first step). Greedy needs no call."""
         if params.greedy:
             self.samplers.pop(rid, None)
         else:
-            self.samplers[rid] = Sampler(params)
+            self.samplers[rid] = params
 
     def forget(self, rid: RequestId) -> None:
         """Drop what a landing installed for ``rid`` (keys, sampler): it will never decode;
@@ -342,8 +344,8 @@ class HiSparseWorker:
             row = self.fast.device_row if self.fast is not None else self.runtime.device_row
             src = [row(self._name(cmd, b.handle), b.position) for b in cmd.backups]
             dst = [b.host_block * self.layout.page_size + b.offset for b in cmd.backups]
-            self._pending.append((self._step, ids, backup_rows(self.runtime.device_kv, self.pool, src, dst,
-                                                   self.copy_stream)))
+            handle = backup_rows(self.runtime.device_kv, self.pool, src, dst, self.copy_stream)
+            self._pending.append((self._step, ids, handle))
         else:
             self._pending.append((self._step, ids, CopyHandle()))
         enqueued.extend(ids)
@@ -438,20 +440,15 @@ class HiSparseWorker:
         # every rank samples: a peer's tokens feed its chained rows of the next step (its logits
         # are rank 0's: the same all-reduced hidden state through the same replicated head, and
         # the same counter-based draws); rank 0 reports them
-        toks = sample_rows(logits.detach(), self._params(batch),
+        toks = sample_rows(logits.detach(), [self.samplers.get(r.request_id) for r in batch],
                            [r.seq_len - 1 for r in batch]).tolist()
         return tuple((r.request_id, t) for r, t in zip(batch, toks))
-
-    def _params(self, batch: list[Row]) -> list[SamplingParams | None]:
-        """Each row's sampling parameters (None: greedy)."""
-        return [None if s is None else s.params
-                for s in map(self.samplers.get, (r.request_id for r in batch))]
 
     def _launch_fast(self, cmd: StepCommand, batch: list[Row], enqueued: list[int]):
         """Enqueue the batch as one fast step. The step's backups are enqueued while the GPU runs
         (the copy stream waits for the launched step, which writes the rows they copy)."""
         launched = self.fast.launch(batch, keep_logits=self.on_logits is not None,
-                                    sampling=self._params(batch))
+                                    sampling=[self.samplers.get(r.request_id) for r in batch])
         if cmd.backups:
             self._enqueue_backups(cmd, enqueued)
         return launched

@@ -15,6 +15,7 @@ and shared memory on CPU; every rank's finisher sleeps a random time before each
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -33,8 +34,17 @@ def _prompt(rng, n):
     return [rng.randrange(1, 96) for _ in range(n)]
 
 
-def _jitter(rep, seconds):
-    ray.get([r.set_finish_jitter.remote(seconds, seed) for seed, r in enumerate(rep.ranks)])
+@contextlib.contextmanager
+def _replica(spec, jitter):
+    """The replica with a prefill worker connected, every rank's finisher sleeping a random
+    0..``jitter`` s before each step; shut down on exit."""
+    rep = launch.launch_replica(spec)
+    try:
+        launch.connect(rep, launch.launch_prefill(PrefillSpec(name=spec.replica_id)))
+        ray.get([r.set_finish_jitter.remote(jitter, seed) for seed, r in enumerate(rep.ranks)])
+        yield rep
+    finally:
+        rep.shutdown()
 
 
 def _settled(rep, timeout=60.0):
@@ -69,10 +79,7 @@ def test_tp2_reference_path_lookahead_equals_full_resident(ray_cluster):
     temp = SamplingParams(temperature=0.9, top_k=30, seed=4)
     t_prompt = _prompt(rng, 30)
     want_t = full_resident_tokens(spec.model, [t_prompt], 10, ["t"], sampling=temp)["t"]
-    rep = launch.launch_replica(spec)
-    try:
-        launch.connect(rep, launch.launch_prefill(PrefillSpec(name="la-tp2")))
-        _jitter(rep, 0.004)
+    with _replica(spec, 0.004) as rep:
         co = rep.coordinator
         for rid, p in greedy:
             ray.get(co.submit.remote(rid, p, max_new, eos if rid == "d" else None))
@@ -83,8 +90,6 @@ def test_tp2_reference_path_lookahead_equals_full_resident(ray_cluster):
         rows = {r["request_id"]: r for r in ray.get(co.wait.remote(["a", "b", "c", "d", "t"], 300))}
         counters = _settled(rep)
         stats = ray.get([r.stats.remote() for r in rep.ranks])
-    finally:
-        rep.shutdown()
     for rid in ("a", "b", "c"):
         assert rows[rid]["error"] is None and rows[rid]["tokens"] == ref[rid], rid
     assert rows["d"]["tokens"] == want_d and rows["d"]["finish_reason"] == "eos"
@@ -103,18 +108,13 @@ def test_tp1_fast_step_lookahead_host_tier_chains(ray_cluster):
     requests = [("h0", _prompt(rng, 150)), ("r0", _prompt(rng, 12)), ("h1", _prompt(rng, 90)),
                 ("r1", [5])]
     ref = replica_baseline(spec, [p for _, p in requests], 16, [r for r, _ in requests])
-    rep = launch.launch_replica(spec)
-    try:
-        launch.connect(rep, launch.launch_prefill(PrefillSpec(name="la-fast")))
-        _jitter(rep, 0.003)
+    with _replica(spec, 0.003) as rep:
         co = rep.coordinator
         for rid, p in requests:
             ray.get(co.submit.remote(rid, p, 16))
         rows = {r["request_id"]: r for r in ray.get(co.wait.remote([r for r, _ in requests], 300))}
         counters = _settled(rep)
         stats = ray.get(rep.ranks[0].stats.remote())
-    finally:
-        rep.shutdown()
     for rid, _ in requests:
         assert rows[rid]["error"] is None and rows[rid]["tokens"] == ref[rid], rid
     assert {rows[r]["target"] for r in ("h0", "h1")} == {"host"}
