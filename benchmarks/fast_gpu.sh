@@ -67,7 +67,7 @@ case "${1:-check}" in
     ;;
   lookahead)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -s -rA tests/fastpath/test_fast_gpu.py \
-      -k "lookahead or one_bucket" > "$OUT/lookahead_tests.log" 2>&1
+      tests/rank/test_sampler.py -k "lookahead or one_bucket or cuda_draws" > "$OUT/lookahead_tests.log" 2>&1
     echo "pytest rc=$?"
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error" "$OUT/lookahead_tests.log" | tail -12
     timeout 380 python3 benchmarks/bench_lookahead.py --layers 61 --context 4096 --batches 1 4 16 \

@@ -225,6 +225,7 @@ class Coordinator:
                     hb = self.host.allocate(1)
                     assert hb is not None, f"{req.rid}: host page outside its reservation"
                     req.pages.append(Page(host=hb[0]))
+                req.table_dirty = True
             h = self._handle(req, defined)
             if req.tier is LandingTarget.HOST:
                 p = res.emit_backup(req, i)
@@ -245,13 +246,11 @@ class Coordinator:
         res.outbox.clear()
         diffs: list[TableDiff] = []
         for req in self._requests.values():
-            if req.state in (RequestState.WAITING, RequestState.RELEASED):
-                continue
-            for i, page in enumerate(req.pages):
-                e = page.entry()
-                if req.sent.get(i) != e:
-                    diffs.append(TableDiff(self._handle(req, defined), i, e[0], e[1]))
-                    req.sent[i] = e
+            if req.state not in (RequestState.WAITING, RequestState.RELEASED):
+                changes = req.table_changes()
+                if changes:
+                    h = self._handle(req, defined)
+                    diffs += [TableDiff(h, *c) for c in changes]
         released = tuple(self._released)
         self._released.clear()
         if not (batch or transfers or diffs or released):
@@ -447,6 +446,7 @@ class Coordinator:
         req.backed, req.stalled = backed, False
         for page, d in zip(req.pages, blocks):
             page.device = d
+        req.table_dirty = True
         self.res.start_restore(req, list(range(len(req.pages))))
         return True
 

@@ -65,6 +65,7 @@ class Request:
     in_flight: set[TransferId] = field(default_factory=set)
     conversion: Conversion | None = None
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker's view of the table
+    table_dirty: bool = True  # a page's blocks may differ from ``sent`` (set where they change)
     handle: int | None = None  # its integer name in step commands, from its first command on
     sent_hot: tuple[int, ...] | None = None  # the hot buffer the workers last received
     keys: list[PrefixKey] = field(default_factory=list)  # keys of full pages, computed lazily
@@ -91,6 +92,21 @@ class Request:
             assert len(self.awaiting) <= 2, f"{self.rid}: {self.awaiting} in flight"
         if self.state is RequestState.RELEASED:
             assert not (self.pages or self.hot or self.in_flight), f"{self.rid} released with leases"
+
+    def table_changes(self) -> list[tuple[int, int, int]]:
+        """``(page, host_block, device_block)`` of every page whose entry the workers have not
+        received, now marked received. Scans the pages only when one may have changed
+        (``table_dirty``): a step costs O(changed requests' pages), not O(all pages)."""
+        if not self.table_dirty:
+            return []
+        self.table_dirty = False
+        out = []
+        for i, page in enumerate(self.pages):
+            e = page.entry()
+            if self.sent.get(i) != e:
+                self.sent[i] = e
+                out.append((i, *e))
+        return out
 
     @property
     def unknown_written(self) -> int:

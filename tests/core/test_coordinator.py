@@ -181,6 +181,22 @@ def test_one_command_for_every_rank_with_full_tables_first_then_diffs():
     assert c.view("a").tokens == (1, 2, 3, 4, 9)
 
 
+def test_a_step_scans_only_the_page_tables_that_changed_and_a_missed_change_is_caught():
+    c = make(dev=8)
+    c.admit("a", [1, 2, 3, 4], 9)
+    c.apply_landed("a")
+    ack(c, take(c), sample=9)  # position 3 in page 1: no new page
+    req = c._requests["a"]
+    cmd = take(c)  # position 4 needs page 2: the table is scanned once, then clean
+    assert cmd.table_diffs == (TableDiff(0, 2, -1, 2),) and not req.table_dirty
+    ack(c, cmd, sample=9)
+    cmd = take(c)  # position 5 in page 2: no page changed, nothing scanned
+    assert cmd.table_diffs == () and not req.table_dirty
+    req.pages[0].device = 7  # a change that forgot to mark the table: the invariants name it
+    with pytest.raises(AssertionError, match="table_dirty"):
+        c.check_invariants()
+
+
 def test_handles_are_defined_once_released_once_and_reused_after_their_release():
     c = make(dev=8)
     for r in "ab":
