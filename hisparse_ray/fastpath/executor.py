@@ -164,8 +164,7 @@ class FastExecutor:
         self.step.run(bucket)
         st = self.step
         if sampling is not None and any(p is not None and not p.greedy for p in sampling):
-            st.tokens[:B].copy_(sample_rows(st.logits[:B], sampling,
-                                            [r.seq_len - 1 for r in batch]))
+            sample_rows(st.logits[:B], sampling, [r.seq_len - 1 for r in batch], into=st.tokens[:B])
         out = self._outs[slot][: 3 * B].view(3, B)
         ready = None
         if self._dev_out is not None:  # one kernel and one copy behind the step

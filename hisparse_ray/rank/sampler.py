@@ -16,6 +16,7 @@ may round differently across devices, as the logits themselves do. Greedy (tempe
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -44,14 +45,21 @@ def _hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+@lru_cache(maxsize=8)
+def _id_hashes(vocab: int, device: torch.device) -> Tensor:
+    """``[vocab]`` the token ids' half of the hash, the same every step: computed once per vocab
+    size and device."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=device)
+    return _hash32((ids + 0x9E3779B9) & _M32)
+
+
 def uniforms(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
     """``[B, vocab]`` float32 uniforms in (0, 1): row ``b`` from ``(seed[b], counter[b])``."""
     s = seed.to(torch.int64)
     row = _hash32(s & _M32)
     row = _hash32(row ^ ((s >> 32) & _M32))
     row = _hash32(row ^ (counter.to(torch.int64) & _M32))  # [B]
-    ids = torch.arange(vocab, dtype=torch.int64, device=seed.device)
-    h = _hash32(row[:, None] ^ _hash32(ids + 0x9E3779B9 & _M32)[None, :])
+    h = _hash32(row[:, None] ^ _id_hashes(vocab, seed.device)[None, :])
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
@@ -90,12 +98,16 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
 
 
 def sample_rows(logits: Tensor, params: Sequence[SamplingParams | None],
-                counters: Sequence[int]) -> Tensor:
-    """:func:`sample` with one ``SamplingParams`` (None: greedy) and counter per row (all
-    greedy: just the argmax)."""
+                counters: Sequence[int], into: Tensor | None = None) -> Tensor:
+    """:func:`sample` with one ``SamplingParams`` (None: greedy) and counter per row: the greedy
+    rows' argmax, the others drawn (only they are sorted and hashed). into: ``[B]`` tokens that
+    already hold the greedy rows' argmax (the fast step's): only the drawn rows are written
+    there, and it is returned."""
     ps = [p or GREEDY for p in params]
-    if all(p.greedy for p in ps):
-        return logits.float().argmax(dim=-1)
+    hot = [b for b, p in enumerate(ps) if not p.greedy]
+    out = logits.float().argmax(dim=-1) if into is None else into
+    if not hot:
+        return out
     dev = logits.device
 
     def col(vals, dtype):
@@ -105,9 +117,13 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams | None],
         # step just launched), which the step pipeline must not
         return torch.tensor(vals, dtype=dtype, pin_memory=True).to(dev, non_blocking=True)
 
-    return sample(logits, col([p.temperature for p in ps], torch.float32),
-                  col([p.top_k for p in ps], torch.int64), col([p.top_p for p in ps], torch.float32),
-                  col([p.seed for p in ps], torch.int64), col(list(counters), torch.int64))
+    ps, counters = [ps[b] for b in hot], [counters[b] for b in hot]
+    rows = col(hot, torch.int64)
+    drawn = sample(logits.index_select(0, rows), col([p.temperature for p in ps], torch.float32),
+                   col([p.top_k for p in ps], torch.int64),
+                   col([p.top_p for p in ps], torch.float32),
+                   col([p.seed for p in ps], torch.int64), col(counters, torch.int64))
+    return out.index_copy_(0, rows, drawn.to(out.dtype))
 
 
 def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:

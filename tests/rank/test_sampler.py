@@ -91,6 +91,9 @@ def test_a_rows_draw_does_not_depend_on_its_batch_mates():
     assert batch == alone
     assert [batch[i] for i in range(0, 12, 3)] == [int(rows[i].argmax()) for i in range(0, 12, 3)]
     assert Sampler(params[1])(rows[1], counters[1]) == batch[1]
+    into = torch.full((12,), -5, dtype=torch.int64)  # the fast step's tokens: greedy rows' argmax
+    assert sample_rows(rows, params, counters, into=into) is into
+    assert into.tolist() == [-5 if p is None else t for p, t in zip(params, batch)]
 
 
 def test_the_draws_follow_the_distribution():
