@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from hisparse_ray.config import CoordinatorConfig
 from hisparse_ray.core.admission import (
-    fit, index_pages_short, land, match_prefix, pools_that_fit, validate_request,
+    fit, index_pages_short, land, match_prefix, pools_that_fit, validate_request, waiting_target,
 )
 from hisparse_ray.core.invariants import check_coordinator
 from hisparse_ray.core.reports import check_report
@@ -67,8 +67,8 @@ class Coordinator:
     its life the host tier (backed: grows on demand, spills when the device runs dry) or its whole
     life fits the device (unbacked: never spills; preferred when that costs the device no more,
     or when the host room is short); else HOST if a hot buffer and its life in host blocks
-    (beyond the matched prefix) fit; else the request waits with RESIDENT when its whole life fits
-    the device pool, HOST otherwise, and keeps that choice across retries. A request that does not
+    (beyond the matched prefix) fit; else the request waits with the target
+    :func:`~hisparse_ray.core.admission.waiting_target` picks, and keeps it across retries. A request that does not
     fit even empty pools is refused (CapacityError).
 
     Waiting requests are retried in FIFO order by :meth:`poll_waiting` (a new request waits
@@ -123,7 +123,7 @@ class Coordinator:
                 how = fit(self.res, req, LandingTarget.HOST, matched, free)
                 target = LandingTarget.HOST
         if how is None:
-            target = LandingTarget.RESIDENT if resident_ever else LandingTarget.HOST
+            target = waiting_target(self.config, self._requests.values(), req, resident_ever)
             req.target = req.tier = target
             self._record(req)
             self._waiting.append(req.rid)

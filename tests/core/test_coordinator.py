@@ -64,6 +64,27 @@ def test_waiting_request_keeps_its_target_across_retries():
     c.check_invariants()
 
 
+def test_a_wait_the_conversions_cannot_serve_resident_waits_for_the_host_tier():
+    """Device full with a's prompt; b's whole life fits the device pool, but converting a leaves
+    its hot buffer: 7 blocks, one short of b's prompt. b waits with HOST and lands on the host
+    tier once a converted, while a still decodes (a RESIDENT wait would idle the device until a
+    finished)."""
+    c = make(dev=8, host=32)
+    c.admit("a", list(range(16)), 10)  # 8 pages: the whole device
+    c.apply_landed("a")
+    assert c.admit("b", list(range(100, 116)), 1) is None
+    assert c.view("b").target is T.HOST and c.counters.conversions_to_host == 1
+    landed = ()
+    for _ in range(4):
+        cmd = take(c)
+        ack(c, cmd, sample=5)
+        landed = landed or c.poll_waiting()
+    (adm,) = landed
+    assert (adm.request_id, adm.target) == ("b", T.HOST)
+    assert c.view("a").state is S.RUNNING and c.view("a").tier is T.HOST
+    c.check_invariants()
+
+
 def test_new_request_waits_behind_earlier_waiting_ones():
     c = make(dev=4)
     c.admit("a", [1, 2, 3, 4, 5, 6, 7], 3)  # 4 device blocks
