@@ -237,7 +237,7 @@ class ReplicaCoordinator:
                 self.records.discard(request_id)
             if not rec.done:
                 rec.abort_requested = True
-                if self.core.view(RequestId(request_id)).state is not RequestState.LANDING:
+                if self.core.state(RequestId(request_id)) is not RequestState.LANDING:
                     self.core.finish(RequestId(request_id))
                     self._collect(request_id)
                 # LANDING: the lander may be writing into its blocks; it finishes the request
@@ -369,7 +369,7 @@ class ReplicaCoordinator:
                 n = len(rec.tokens)
                 if not rec.done and rec.landed is not None:
                     try:
-                        n = self.core.view(RequestId(rid)).num_generated
+                        n = len(self.core.generated(RequestId(rid)))
                     except UnknownRequestError:
                         pass
                 out[rid] = (n, rec.max_new_tokens, rec.done)
@@ -462,7 +462,7 @@ class ReplicaCoordinator:
             self.exporter.token(first, rec.add_token(tok, now))
             self.records.token_added(rid)
             if tok in rec.stop_ids and not rec.abort_requested and \
-                    self.core.view(RequestId(rid)).state is RequestState.RUNNING:
+                    self.core.state(RequestId(rid)) is RequestState.RUNNING:
                 rec.stopped = True
                 self.core.finish(RequestId(rid))
         self.hot_hits += report.hot_hits
@@ -477,8 +477,7 @@ class ReplicaCoordinator:
             rec = self.records.get(rid)
             if rec is None or rec.done:
                 continue
-            view = self.core.view(rid)
-            if view.state in (RequestState.FINISHED, RequestState.RELEASED):
+            if self.core.state(rid) in (RequestState.FINISHED, RequestState.RELEASED):
                 self._collect(rid)
 
     def _collect(self, rid: str) -> None:

@@ -271,13 +271,13 @@ class Engine:
         if fast is None:
             return
         for rid in [r for r in fast.keys.pages if r in self._known]:
-            if self.core.view(rid).state is RequestState.RELEASED:
+            if self.core.state(rid) is RequestState.RELEASED:
                 fast.release(rid)
 
     def _forget_unnamed(self, rid: RequestId) -> None:
         """Drop the worker's state of a released request no step ever named (a step that names
         a request releases its state itself)."""
-        if (self.core.view(rid).state is RequestState.RELEASED
+        if (self.core.state(rid) is RequestState.RELEASED
                 and rid not in self.worker.runtime.requests):
             self.worker.index.pop(rid, None)
             self.worker.samplers.pop(rid, None)
@@ -328,7 +328,7 @@ class Engine:
     def done(self) -> bool:
         if self._inflight is not None:
             return False
-        return all(self.core.view(r).state in (RequestState.FINISHED, RequestState.RELEASED)
+        return all(self.core.state(r) in (RequestState.FINISHED, RequestState.RELEASED)
                    for r in self._known)
 
     def run(self, max_steps: int = 1_000_000) -> dict[str, list[int]]:

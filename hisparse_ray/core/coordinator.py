@@ -383,9 +383,7 @@ class Coordinator:
     def finish(self, request_id: RequestId) -> None:
         """Abort a request (any state before FINISHED); leases are freed once nothing of it is in
         flight."""
-        req = self._requests.get(request_id)
-        if req is None:
-            raise UnknownRequestError(request_id)
+        req = self._lookup(request_id)
         if req.state in (RequestState.FINISHED, RequestState.RELEASED):
             raise StateError(f"request {request_id!r} already finished")
         self._finish(req, "abort")
@@ -443,35 +441,39 @@ class Coordinator:
             return False
         blocks = self.device.lease(n, req.rid)
         assert blocks is not None
-        req.backed, req.stalled = backed, False
+        req.backed, req.stalled, req.table_dirty = backed, False, True
         for page, d in zip(req.pages, blocks):
             page.device = d
-        req.table_dirty = True
         self.res.start_restore(req, list(range(len(req.pages))))
         return True
 
     # -- views -------------------------------------------------------------------------------------
-    def _get(self, request_id: RequestId, state: RequestState) -> Request:
+    def _lookup(self, request_id: RequestId) -> Request:
         req = self._requests.get(request_id)
         if req is None:
             raise UnknownRequestError(request_id)
+        return req
+
+    def _get(self, request_id: RequestId, state: RequestState) -> Request:
+        req = self._lookup(request_id)
         if req.state is not state:
             raise StateError(f"request {request_id!r} is {req.state.value}, expected {state.value}")
         return req
 
     def view(self, request_id: RequestId) -> RequestView:
-        req = self._requests.get(request_id)
-        if req is None:
-            raise UnknownRequestError(request_id)
+        """A snapshot, O(tokens): it copies the whole sequence (per step, use :meth:`state`)."""
+        req = self._lookup(request_id)
         return RequestView(req.rid, req.state, req.target, req.tier, tuple(req.tokens),
                            req.prompt_len, req.num_generated, req.finish_reason)
+
+    def state(self, request_id: RequestId) -> RequestState:
+        """The request's state, O(1)."""
+        return self._lookup(request_id).state
 
     def generated(self, request_id: RequestId, start: int = 0) -> tuple[int, ...]:
         """Tokens the request generated from index ``start`` on (for streaming: O(new), where
         ``view`` copies the whole sequence)."""
-        req = self._requests.get(request_id)
-        if req is None:
-            raise UnknownRequestError(request_id)
+        req = self._lookup(request_id)
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         return tuple(req.tokens[req.prompt_len + start:])
@@ -486,13 +488,12 @@ class Coordinator:
 
     @property
     def counters(self) -> CoordinatorCounters:
-        states = [r.state for r in self._requests.values()]
         return CoordinatorCounters(
             **{k: self.res.stats[k] for k in _STAT_COUNTERS}, waiting=len(self._waiting),
-            running=states.count(RequestState.RUNNING), evictions=self.host.evictions,
-            device_blocks_total=self.device.num_blocks, device_blocks_used=self.device.num_used,
-            host_blocks_total=self.host.num_blocks, host_blocks_used=self.host.num_used,
-            host_blocks_cached=self.host.num_cached)
+            running=sum(r.state is RequestState.RUNNING for r in self._requests.values()),
+            evictions=self.host.evictions, device_blocks_total=self.device.num_blocks,
+            device_blocks_used=self.device.num_used, host_blocks_total=self.host.num_blocks,
+            host_blocks_used=self.host.num_used, host_blocks_cached=self.host.num_cached)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any coordinator, pool or transfer invariant is broken."""

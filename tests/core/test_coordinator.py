@@ -437,9 +437,12 @@ def test_bad_reports_raise_and_leave_state_unchanged(bad):
 
 def test_unknown_request_ids_raise():
     c = make()
-    for f in (c.finish, c.apply_landed, c.apply_landing_failed, c.restore, c.view):
+    for f in (c.finish, c.apply_landed, c.apply_landing_failed, c.restore, c.view, c.state,
+              c.generated):
         with pytest.raises(UnknownRequestError):
             f("nope")
+    c.admit("a", [1, 2, 3], 2)
+    assert c.state("a") is c.view("a").state is S.LANDING
 
 
 def test_everything_that_crosses_a_process_boundary_pickles():
