@@ -345,8 +345,7 @@ class Engine:
         return {r: self.result(r) for r in self._known}
 
     def result(self, request_id: str) -> list[int]:
-        v = self.core.view(RequestId(request_id))
-        return list(v.tokens[v.prompt_len:])
+        return list(self.core.generated(RequestId(request_id)))
 
     def close(self) -> None:
         try:
