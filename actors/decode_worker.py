@@ -247,7 +247,9 @@ class DecodeWorker:
                 t0 = time.perf_counter()
                 with self._lock:
                     # rank 0 returns with its host writes enqueued and published (the report
-                    # carries the generation); a peer's streams wait on it (cmd.host_seq)
+                    # carries the generation); a peer's streams wait on it (cmd.host_seq), or,
+                    # for a command chained past the previous step, on that step's generation
+                    # by step number (the pool's step ring: rank 0 need not have reported)
                     step = self.executor.launch(cmd)
                     report = None if finisher else self.executor.finish(step)
                 if finisher:

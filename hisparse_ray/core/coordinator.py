@@ -17,7 +17,8 @@ Worker contract for one StepCommand (one command per step, broadcast to every ra
 ``released`` handles (with their request's state), take the ``handles`` it defines (a request's
 integer handle is defined in the first command that names it and stays until the command that
 releases it; the first command that names a request also carries every page of it in
-``table_diffs``), make host reads wait for host-pool generation ``host_seq`` (peers), apply
+``table_diffs``), make host reads wait for host-pool generation ``host_seq`` (peers; for a
+command with a chained row also for the previous step's, by step number), apply
 ``table_diffs``, enqueue ``transfers`` on the stream in order, run the forward of ``batch`` (a
 row's ``hot_blocks``, sent only when they changed, bind a new hot buffer, e.g. after a spill
 conversion), then the ``backups`` on the side stream; report each transfer id enqueued and
@@ -282,11 +283,9 @@ class Coordinator:
     def _eligible(self, req: Request) -> bool:
         """Whether ``req`` takes a row in the next command (see :meth:`take_command`)."""
         if req.awaiting and not (req.chain and req.awaiting == [self._step]
-                                 and req.num_generated + 1 < req.max_new_tokens
-                                 and (self.config.tp_size == 1 or not req.in_flight)):
-            # TP > 1: a host-tier row may read the previous row from its backup, which the
-            # peers read only once rank 0 reported its generation (``host_seq``); with one rank
-            # the reader is the writer, whose compute stream waits for its own copies
+                                 and req.num_generated + 1 < req.max_new_tokens):
+            # a host-tier row may read the previous row from its backup, not yet in ``host_seq``:
+            # a peer finds that step's generation by step number (``HostPool.wait_step``)
             return False
         return (req.state is RequestState.RUNNING and req.conversion is None
                 and all(self.book.pending[t].kind is TransferOp.BACKUP for t in req.in_flight))

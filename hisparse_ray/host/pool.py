@@ -23,12 +23,12 @@ from hisparse_ray.config import GIB, KVLayout
 from hisparse_ray.errors import HostPoolError
 from hisparse_ray.host.segment import (  # noqa: F401  (re-exported: the pool's public surface)
     CREATING, DEFAULT_PREFIX, EVENT_OFFSET, EVENT_SLOT, HEADER_BYTES, HEADER_STRUCT, MAGIC,
-    MAX_POOL_FRACTION, MAX_REGISTER_BYTES, READY, REGISTER_FLAGS, SEQ_OFFSET, SHM_DIR, STATE_OFFSET,
-    VERSION, HostSharing, cleanup_stale, fit_problem, layer_stride, list_segments,
+    MAX_EVENT_RING, MAX_POOL_FRACTION, MAX_REGISTER_BYTES, READY, REGISTER_FLAGS, SEQ_OFFSET, SHM_DIR,
+    STATE_OFFSET, STEP_OFFSET, STEP_SLOTS, VERSION, HostSharing, cleanup_stale, fit_problem, layer_stride, list_segments,
     mapped_segments, mem_available_bytes, physical_pool_bytes, pool_bytes, prefault, proc_stat,
     read_header, register_chunks, unlink_quiet,
 )
-from hisparse_ray.host.sync import IpcEventRing, SharedCounter, spin_until
+from hisparse_ray.host.sync import IpcEventRing, SharedCounter, StepRing, spin_until
 
 
 def _cudart() -> Any:
@@ -63,6 +63,11 @@ class HostPool:
     calls ``wait_published(g)`` before it reads anything of that batch: the counter says the
     event was recorded, and its stream waits on the event. The step command carries g
     (``StepCommand.host_seq``); see docs/architecture.md "How the ranks are ordered".
+
+    Step ring (header, ``STEP_SLOTS`` slots): ``publish(stream, step=N)`` also names g as step
+    N's generation, stored after the counter; a peer running a command chained past step N,
+    whose report (and so g) the command could not carry, calls ``wait_step(N)``: it waits for
+    that slot, then ``wait_published(g)``.
     """
 
     def __init__(self, *, name: str, path: str, mm: mmap.mmap, header: tuple, owner: bool,
@@ -79,6 +84,7 @@ class HostPool:
         self._arr = np.frombuffer(mm, dtype=np.uint8)  # holds the buffer export (mm stays mapped)
         self._base = self._arr.ctypes.data
         self._counter: SharedCounter | None = SharedCounter(self._base + SEQ_OFFSET)
+        self._steps: StepRing | None = StepRing(self._base + STEP_OFFSET, STEP_SLOTS)
         self._stacked = self._stack(torch.from_numpy(self._arr))
         self._views = list(self._stacked.unbind(0))
         self._registered: list[int] = []
@@ -112,7 +118,7 @@ class HostPool:
             raise HostPoolError(f"replica id {replica_id!r} cannot be part of a segment name")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise HostPoolError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        if not 0 <= event_ring <= (HEADER_BYTES - EVENT_OFFSET) // EVENT_SLOT:
+        if not 0 <= event_ring <= MAX_EVENT_RING:
             raise HostPoolError(f"event_ring {event_ring} out of range")
         register = torch.cuda.is_available() if register_cuda is None else bool(register_cuda)
         cleanup_stale(prefix, shm_dir)
@@ -260,16 +266,45 @@ class HostPool:
                                 HEADER_BYTES)
 
     # ---------------------------------------------------------------- publish protocol
-    def publish(self, stream: Any = None) -> int:
+    def publish(self, stream: Any = None, *, step: int | None = None) -> int:
         """Owner, after a batch of writes (CPU stores, or copies enqueued on ``stream``): record
         the IPC event of the next generation (CUDA pools: on ``stream``, default the current one),
-        then bump the generation counter (release). Returns the new generation (1, 2, ...)."""
+        then bump the generation counter (release); with ``step``, then store the generation in
+        the step ring as that step's (:meth:`wait_step`). Returns the new generation (1, 2, ...)."""
         self._check_owner("publish")
         seq = self._counter.load() + 1
         if self._ring is not None:
             self._ring.record(seq % self._ring.size, stream)
         self._counter.store(seq)
+        if step is not None:
+            self._steps.store(step, seq)
         return seq
+
+    def step_generation(self, step: int) -> int | None:
+        """The generation the owner published for ``step`` (``publish(step=...)``), None while it
+        has not; ``HostPoolError`` when the owner already ran ``STEP_SLOTS`` steps past it."""
+        self._check_open()
+        return self._steps.load(step)
+
+    def wait_step(self, step: int, *, stream: Any = None, timeout_s: float | None = None) -> int:
+        """Peer: block until the owner published ``step``'s host writes (``HostPoolError``
+        naming the step after ``timeout_s``), then :meth:`wait_published` of that generation
+        (CUDA: ``stream`` waits on its IPC event). Returns the generation."""
+        self._check_open()
+        steps = self._steps
+        found: list[int] = []
+
+        def stored() -> bool:
+            g = steps.load(step)
+            if g is not None:
+                found.append(g)
+            return g is not None
+
+        if not stored():
+            spin_until(stored, timeout_s, f"rank 0 to publish the host writes of step {step} "
+                                          f"({self.name})")
+        self.wait_published(found[0], stream=stream, timeout_s=timeout_s)
+        return found[0]
 
     def published(self) -> int:
         """The latest published generation (0 before the first publish)."""
@@ -307,7 +342,7 @@ class HostPool:
             self._ring = None
         self._device_stacked = None
         self._unregister()
-        self._counter = None
+        self._counter = self._steps = None
         self._views = []
         self._stacked = None
         self._arr = None

@@ -19,7 +19,8 @@ from hisparse_ray.errors import HostPoolError
 DEFAULT_PREFIX = "hisparse-pool"
 SHM_DIR = "/dev/shm"
 MAGIC = b"HSPRPOOL"
-VERSION = 2  # 2: the counter at SEQ_OFFSET is the published generation (1 had a seqlock)
+VERSION = 3  # 3: the step ring at STEP_OFFSET; 2: the counter at SEQ_OFFSET is the published
+# generation (1 had a seqlock)
 HEADER_BYTES = 4096
 ALIGN = 4096
 MAX_REGISTER_BYTES = 64 * GIB  # one cudaHostRegister call; a single 512 GiB call fails
@@ -33,10 +34,14 @@ STATE_OFFSET = 80  # u32 state inside HEADER_STRUCT
 SEQ_OFFSET = 128  # u64 published generation, on its own cache line
 EVENT_OFFSET = 256  # event ring: slots of 128 bytes, [u32 length][handle bytes]
 EVENT_SLOT = 128
+STEP_OFFSET = 3584  # step ring: STEP_SLOTS slots of [u64 generation][u64 step + 1] (HostPool
+STEP_SLOTS = 32  # .publish(step=...) / .wait_step), up to the end of the header
+MAX_EVENT_RING = (STEP_OFFSET - EVENT_OFFSET) // EVENT_SLOT  # event slots that fit before it
 CREATING, READY = 0, 1
 REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped (UVA device access)
 _MADV_POPULATE_WRITE = 23
 assert HEADER_STRUCT.size <= SEQ_OFFSET and STATE_OFFSET == HEADER_STRUCT.size - 8
+assert STEP_OFFSET % 64 == 0 and STEP_OFFSET + 16 * STEP_SLOTS <= HEADER_BYTES
 
 
 class HostSharing(enum.Enum):

@@ -1,5 +1,7 @@
-"""Cross-process ordering for the shared host pool (adapter ring): the header's generation counter
-and the ring of CUDA IPC events that rank 0 records after each batch of writes.
+"""Cross-process ordering for the shared host pool (adapter ring): the header's generation counter,
+the ring of CUDA IPC events that rank 0 records after each batch of writes, and the step ring that
+names the generation rank 0 published in a given step (a peer running a chained step waits by step
+number, before the coordinator has the report that carries the generation).
 
 The counter is a u64 in the shared header, stored with release and loaded with acquire semantics
 through libatomic (``__atomic_store_8`` / ``__atomic_load_8``) so that the ordering also holds on
@@ -62,6 +64,40 @@ class SharedCounter:
             _STORE(self._addr, value, _RELEASE)
         else:
             self._plain.value = value
+
+
+class StepRing:
+    """``slots`` pairs of u64 ``[generation][step + 1]`` at ``address`` in a shared mapping: the
+    owner (rank 0), after publishing generation g for step N's host writes, stores g into slot
+    ``N % slots`` and then the tag ``N + 1`` (release); a reader that loads the tag (acquire) and
+    sees ``N + 1`` then reads a generation at least g. Tag 0: never written. A tag past ``N + 1``
+    means the owner ran ``slots`` steps past N before the reader looked: its generation is lost
+    and the reader gets ``HostPoolError`` (the step pipeline keeps rank 0 at most two steps ahead
+    of any peer)."""
+
+    def __init__(self, address: int, slots: int) -> None:
+        self.slots = slots
+        self._gen = [SharedCounter(address + 16 * i) for i in range(slots)]
+        self._tag = [SharedCounter(address + 16 * i + 8) for i in range(slots)]
+
+    def store(self, step: int, generation: int) -> None:
+        i = step % self.slots
+        self._gen[i].store(generation)
+        self._tag[i].store(step + 1)
+
+    def load(self, step: int) -> int | None:
+        """The generation published for ``step``, None if not stored yet."""
+        i = step % self.slots
+        tag = self._tag[i].load()
+        if tag == step + 1:
+            gen = self._gen[i].load()
+            if self._tag[i].load() == tag:  # not overwritten while we read it
+                return gen
+            tag = self._tag[i].load()
+        if tag > step + 1:
+            raise HostPoolError(f"step ring overrun: the slot of step {step} holds step "
+                                f"{tag - 1} (the writer ran {self.slots} steps ahead)")
+        return None
 
 
 def spin_until(predicate, timeout_s: float | None, what: str) -> None:

@@ -8,7 +8,10 @@ in-process :class:`~hisparse_ray.engine.Engine` and the ``DecodeWorker`` actor b
 Per command (one per step, the same for every rank), in order: forget released handles and
 their requests; take the handles it defines; a peer makes its stream wait for host-pool
 generation ``host_seq`` (rank 0's IPC event: every host row rank 0 wrote in the steps before is
-then visible to the peer's copies and resolver reads); apply block-table diffs; enqueue page
+then visible to the peer's copies and resolver reads) and, for a command chained past step N
+(a chained row: taken before rank 0's report of N, which ``host_seq`` cannot cover) when rank 0
+wrote the host in N (backups or spills), for step N's generation, found by step number in the
+pool's step ring (``HostPool.wait_step``); apply block-table diffs; enqueue page
 transfers (SPILL device -> host is written by rank 0 only, the one host-pool writer; RESTORE host
 -> device on every rank, MLA KV is replicated); bind hot buffers (a new buffer of a short
 sequence, n <= H, is filled so that slot p holds position p); run the forward (the compute stream
@@ -17,8 +20,8 @@ overwritten early, and a host row is never read before it was written); sample (
 the logits are: ``rank/sampler.py``; rank 0 reports the tokens); enqueue
 the eager backups of the newest rows (rank 0; on the fast path while its launched step runs,
 before its outputs are read back), then publish the step's host writes (rank 0: the
-pool's next generation, its IPC event recorded on the copy stream after them; reported in
-``StepReport.published``). On CUDA every copy runs on the rank's copy stream, which first waits
+pool's next generation, its IPC event recorded on the copy stream after them, named as the
+step's in the step ring; reported in ``StepReport.published``). On CUDA every copy runs on the rank's copy stream, which first waits
 for the compute stream's work so far; nothing blocks the host. Acks: every transfer id is
 reported *enqueued* in the step that issued it and *completed* once its copy event has fired; on
 CPU both in the same report.
@@ -61,7 +64,8 @@ class HiSparseWorker:
     forward (throughput).
     host_wait_s: how long a peer waits for rank 0 to publish the generation a command names
     (published before rank 0 reported the step that wrote it, so a wait means a broken protocol:
-    ``HostPoolError``).
+    ``HostPoolError``), or the step a chained command follows (rank 0 publishes it at the end of
+    its launch of that step: ``HostPoolError`` naming the step).
     kv_codec: the KV-cache dtype's row codec (:mod:`hisparse_ray.kernels.kvfp8`; default: rows in
     the model's dtype); ``layout`` must use its row bytes.
     fast: run batches through the fast decode step (:mod:`hisparse_ray.fastpath`): batched, paged
@@ -120,6 +124,7 @@ class HiSparseWorker:
                                         why="seconds")
         self.handles: dict[int, RequestId] = {}
         self._host_seq = 0  # the host-pool generation this rank's stream last waited for
+        self._rank0_wrote = -1  # (peer) the last command's step if rank 0 wrote the host in it
         # every page copy of this rank runs here (CUDA), off the compute stream
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.hot_counts_every = check_int("hot_counts_every", hot_counts_every, lo=1)
@@ -253,12 +258,8 @@ class HiSparseWorker:
                 raise StateError(f"step {cmd.step} defines handle {d.handle} as {d.request_id!r}; "
                                  f"it still names {names[d.handle]!r}")
             names[d.handle] = d.request_id
-        if cmd.host_seq > self._host_seq and not self.writer:
-            # rank 0's host writes up to this generation come before any host read of ours
-            # (CUDA: the current stream waits on its IPC event; the copy stream waits on the
-            # current stream before each batch of copies); once per generation
-            self.pool.wait_published(cmd.host_seq, timeout_s=self.host_wait_s)
-            self._host_seq = cmd.host_seq
+        if not self.writer:
+            self._order_after_rank_0(cmd)
         for diff in cmd.table_diffs:
             rt.apply_diff(self._name(cmd, diff.handle), diff.page, diff.host_block,
                           diff.device_block)
@@ -281,9 +282,27 @@ class HiSparseWorker:
         if cmd.backups and not fast:  # the fast path enqueued them while its step ran
             self._enqueue_backups(cmd, enqueued)
         if wrote or (cmd.backups and self.writer):
-            # one generation per step, its event after every copy of the step
-            self.pool.publish(self.copy_stream)
+            # one generation per step, its event after every copy of the step, named as the
+            # step's in the pool's step ring (for a peer's chained next step: wait_step)
+            self.pool.publish(self.copy_stream, step=cmd.step)
         return Launched(cmd, rows, enqueued, counts, fast, forward)
+
+    def _order_after_rank_0(self, cmd: StepCommand) -> None:
+        """(peer) Order this step's host reads after rank 0's writes: those up to ``host_seq``
+        (once per generation; CUDA: the current stream waits on its IPC event, and the copy
+        stream waits on the current stream before each batch of copies) and, when the command
+        chains past step N = ``cmd.step - 1`` (a chained row: taken before rank 0's report of N,
+        so ``host_seq`` cannot cover N) and rank 0 wrote the host in N, step N's generation,
+        found by step number in the pool's step ring (``HostPool.wait_step``)."""
+        wrote, self._rank0_wrote = self._rank0_wrote, (
+            cmd.step if cmd.backups or any(t.kind is TransferKind.SPILL for t in cmd.transfers)
+            else -1)  # rank 0 publishes in this step (launch: wrote or backups)
+        if cmd.host_seq > self._host_seq:
+            self.pool.wait_published(cmd.host_seq, timeout_s=self.host_wait_s)
+            self._host_seq = cmd.host_seq
+        if wrote == cmd.step - 1 and any(r.prev_row >= 0 for r in cmd.batch):
+            g = self.pool.wait_step(wrote, timeout_s=self.host_wait_s)
+            self._host_seq = max(self._host_seq, g)
 
     def finish(self, step: Launched) -> StepReport:
         """Wait for a launched step's outputs and report it (rank 0: its sampled tokens)."""

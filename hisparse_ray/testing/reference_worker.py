@@ -9,7 +9,9 @@ holds that position's KV, then writes the newest row; backups copy it to host. A
 chained hash of the tokens up to it, so a stale, overwritten or wrongly shared row is detected.
 Host writes (spills, backups) are rank 0's: each command's writes form the next host-pool
 generation, and every host read of a command (restores, the forward) must find its row's
-generation published to the peers by the command (``host_seq``). Acks are released later, at
+generation published to the peers: by the command (``host_seq``) or, for a command with a chained
+row (taken before the previous step's report), by the previous step, whose generation a peer finds
+by step number in the pool's step ring when rank 0 wrote the host in it (``HostPool.wait_step``). Acks are released later, at
 random, per rank, out of order (``report``; rank 0's carry the latest generation). A chained row
 (``prev_row >= 0``) is fed the token this worker sampled for that row of the command it executed
 just before, which must be the previous step and name the same request; sampled tokens are
@@ -45,6 +47,9 @@ class ReferenceWorker:
         self.hot: dict[str, tuple[int, ...]] = {}  # the hot buffer each request was last sent
         self.gen = 0  # host-pool generations published so far (rank 0 writes)
         self.host_gen: dict[tuple[int, int], int] = {}  # host row -> generation that wrote it
+        self.step_gen: tuple[int, int] | None = None  # (step, generation its host writes made)
+        self.visible = 0  # the generation a peer's host reads of the current command may see
+        self.chained_host_rows = 0  # chained rows of host-tier requests (their backup in flight)
         # the last executed command's step and, per batch row, (request id, sampled token)
         self.last: tuple[int, list[tuple[str | None, int | None]]] | None = None
 
@@ -88,9 +93,10 @@ class ReferenceWorker:
         """A peer's read of host row ``key``: only after its generation reached the peers. With
         one rank there are no peers: rank 0 reads what it wrote, ordered after its own copies
         (``HiSparseWorker``: the compute stream waits for every copy in flight)."""
-        if self.cfg.tp_size > 1 and self.host_gen.get(key, 0) > c.host_seq:
+        if self.cfg.tp_size > 1 and self.host_gen.get(key, 0) > self.visible:
             self._bad(f"step {c.step}: host row {key} of generation {self.host_gen[key]} read "
-                      f"with only generation {c.host_seq} published to the peers")
+                      f"with only generation {self.visible} published to the peers "
+                      f"(host_seq {c.host_seq})")
         return self.host.get(key)
 
     def execute(self, c: StepCommand | None) -> None:
@@ -102,6 +108,10 @@ class ReferenceWorker:
         if c.host_seq > self.gen:
             self._bad(f"step {c.step}: host_seq {c.host_seq} was never published ({self.gen})")
         self.steps.append(c.step)
+        self.visible = c.host_seq
+        if (any(r.prev_row >= 0 for r in c.batch) and self.step_gen is not None
+                and self.step_gen[0] == c.step - 1):  # a peer's wait_step
+            self.visible = max(self.visible, self.step_gen[1])
         for h in c.released:
             rid = self.names.pop(h, None)
             if rid is None:
@@ -189,6 +199,9 @@ class ReferenceWorker:
                 a[b.transfer_id] = "issued"
         if wrote:
             self.gen += 1
+        self.step_gen = (c.step, self.gen) if wrote else None
+        backed = {b.handle for b in c.backups}
+        self.chained_host_rows += sum(r.prev_row >= 0 and r.handle in backed for r in c.batch)
         if samples:
             self.due[c.step] = samples
         self.last = (c.step, rows)

@@ -182,63 +182,69 @@ def test_chain_must_be_a_bool():
     c.check_invariants()
 
 
-def test_host_tier_request_chains_only_once_its_backup_reached_the_peers():
-    """A host-tier row reads its previous row from the host copy its backup wrote, which a peer
-    may read only after rank 0 reported the generation (``host_seq``): a command taken before the
-    previous step's report cannot carry it, so the request chains only once its backup completed
-    on every rank (whose reports carry the generation). Failed before: the chained row went out
-    at once, with ``host_seq`` 0."""
-    c = make(dev=1, host=8, ps=2, H=1, tp=2)
-    assert c.admit("a", [3, 4, 5], 6, chain=True).target is T.HOST
-    c.apply_landed("a")
-    one = step_of(c)
-    assert len(one.backups) == 1
-    assert step_of(c) is None  # its backup is in flight: no chained row
-    apply(c, StepReport(1, 1, completed=tids(one)))
-    apply(c, StepReport(1, 0, completed=tids(one), published=1))  # no tokens yet
-    two = step_of(c)
-    assert rows(c, two) == [("a", 4, 0, 0)] and two.host_seq == 1
-    # once a command without its row went out, its row of step 1 is not the previous command's
-    three = step_of(c)
-    assert three is None
-    report(c, one, {"a": 7})
-    report(c, two, {"a": 8})
-    assert c.view("a").tokens == (3, 4, 5, 7, 8)
-
-
-def test_with_one_rank_a_host_tier_request_chains_with_its_backup_in_flight():
-    """With one rank there are no peers: rank 0 reads its own backups, ordered after its own
-    copies, so the engine's host-tier requests (the product's case) chain at once."""
-    c = make(dev=1, host=8, ps=2, H=1, tp=1)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_host_tier_request_chains_with_its_backup_in_flight(tp):
+    """A host-tier row reads its previous row from the host copy its backup wrote. With one rank
+    the reader is the writer (its compute stream waits for its own copies); at TP > 1 a peer finds
+    the generation of the previous step's writes by step number (``HostPool.wait_step``), so the
+    request chains at once at any TP size. Failed before at TP 2: the request waited for its
+    backup to complete on every rank (no chained row while it was in flight)."""
+    c = make(dev=1, host=8, ps=2, H=1, tp=tp)
     assert c.admit("a", [3, 4, 5], 6, chain=True).target is T.HOST
     c.apply_landed("a")
     one = step_of(c)
     assert len(one.backups) == 1
     two = step_of(c)
-    assert rows(c, two) == [("a", 4, 0, 0)] and len(two.backups) == 1
+    assert rows(c, two) == [("a", 4, 0, 0)] and len(two.backups) == 1 and two.host_seq == 0
+    for rank in range(1, tp):
+        apply(c, StepReport(1, rank, completed=tids(one)))
+        apply(c, StepReport(2, rank, completed=tids(two)))
     report(c, one, {"a": 7}, completed=True, published=1)
     report(c, two, {"a": 8}, completed=True, published=2)
     assert c.view("a").tokens == (3, 4, 5, 7, 8)
 
 
+def test_the_reference_worker_lets_only_a_chained_row_read_the_previous_steps_backup():
+    """The reference worker's rule at TP 2: command 2's host reads may see step 1's backup
+    (generation 1, not yet in ``host_seq``) only because it chains past step 1 (a peer waits for
+    step 1 in the step ring); the same reads unchained are flagged."""
+    for chained in (True, False):
+        c = make(dev=1, host=8, ps=2, H=1, tp=2)
+        w = ReferenceWorker(c.config, random.Random(0))
+        w.start("a", [3, 4, 5])
+        w.land(c.admit("a", [3, 4, 5], 6, chain=True))
+        c.apply_landed("a")
+        w.execute(c.take_command())
+        two = c.take_command()
+        assert two.host_seq == 0 and two.batch[0].prev_row == 0
+        if not chained:  # its input as a known token: no wait for step 1
+            row = msgspec.structs.replace(two.batch[0], prev_row=-1, input_token=w.tokens["a"][3])
+            two = msgspec.structs.replace(two, batch=(row,))
+        w.execute(two)
+        if chained:
+            assert w.violations == [] and w.chained_host_rows == 1
+        else:
+            assert any("of generation 1 read with only generation 0 published" in v
+                       for v in w.violations), w.violations
+
+
 def test_no_chained_row_after_a_command_without_the_request():
-    """Its only step in flight must be exactly the previous command."""
-    c = make(dev=4, host=16, ps=2, H=1, tp=2)
-    assert c.admit("a", [3, 4, 5, 6, 7, 8, 9, 1, 2], 6, chain=True).target is T.HOST  # backups
-    c.apply_landed("a")
+    """Its only step in flight must be exactly the previous command (one row a step: the earlier
+    request x takes step 3, so a's step 2 is not the previous command of step 4)."""
+    c = make(dev=4, host=16, ps=2, H=1, tp=2, max_batch=1)
     assert c.admit("x", [6], 6).target is T.RESIDENT
     c.apply_landed("x")
+    assert c.admit("a", [3, 4, 5, 6, 7, 8, 9, 1, 2], 6, chain=True).target is T.HOST  # backups
+    c.apply_landed("a")
     one = step_of(c)
-    assert [r[0] for r in rows(c, one)] == ["a", "x"]
-    report(c, one, {"x": 1}, completed=False)
-    two = step_of(c)  # a's backup in flight, TP 2: only x
-    assert [r[0] for r in rows(c, two)] == ["x"]
-    apply(c, StepReport(1, 1, completed=tids(one)))
-    apply(c, StepReport(1, 0, completed=tids(one), published=1))
-    report(c, two, {"x": 2}, completed=True, published=2)
-    three = step_of(c)  # a's step 1 is not the previous command: no chained row
-    assert rows(c, three) == [("x", 3, 2, -1)]
-    report(c, one, {"a": 4})
+    assert rows(c, one) == [("x", 1, 6, -1)]
+    two = step_of(c)  # x waits for its token: a's first row
+    assert rows(c, two) == [("a", 9, 2, -1)] and len(two.backups) == 1
+    report(c, one, {"x": 1})
+    three = step_of(c)  # x again, first in line: the batch is full
+    assert rows(c, three) == [("x", 2, 1, -1)]
+    assert step_of(c) is None  # a's step 2 is not the previous command: no chained row
+    report(c, two, {"a": 4})
     assert rows(c, step_of(c))[0] == ("a", 10, 4, -1)
 
 

@@ -81,11 +81,21 @@ class CoordinatorMachine(RuleBasedStateMachine):
         on its own (no admission deadlocks, whatever the pools' pressure)."""
         if self.driver is not None:
             assert self.driver.settle() == []
+            if self.driver.cfg.tp_size > 1:  # chained rows of host-tier requests at TP > 1
+                REACHED["tp_chained_host_rows"] += self.driver.worker.chained_host_rows
+
+
+REACHED = {"tp_chained_host_rows": 0}
 
 
 def test_coordinator_state_machine():
+    """Every invariant and the reference worker's checks after every step (its rule for host
+    reads at TP > 1 included: a chained row reads the previous step's backups through the step
+    ring); the runs reach chained rows of host-tier requests at TP > 1."""
+    REACHED["tp_chained_host_rows"] = 0
     run_state_machine_as_test(CoordinatorMachine,
                               settings=settings(max_examples=3000, stateful_step_count=10, **FAST))
+    assert REACHED["tp_chained_host_rows"] > 0, REACHED
 
 
 class HostPoolMachine(RuleBasedStateMachine):
@@ -286,6 +296,7 @@ def test_random_runs_chain_rows_and_drop_them_after_eos():
     assert d.settle() == []
     c = d.coord.counters
     assert c.chained_rows > 50 and c.dropped_rows > 0, c
+    assert d.worker.chained_host_rows > 10, d.worker.chained_host_rows  # TP 2, backups in flight
 
 
 def test_long_random_runs_without_a_host_tier():

@@ -11,6 +11,9 @@ and shared memory on CPU; every rank's finisher sleeps a random time before each
   of the full one); afterwards no block is in use.
 * TP 1 on the fast step: host-tier requests chain with their backups in flight (one rank reads
   its own copies in stream order); the tokens equal the full-resident fast-path engine's.
+* TP 2, host-tier requests only: they chain with their backups in flight (the peer waits for
+  rank 0's generation of the previous step by step number, ``HostPool.wait_step``); the tokens
+  equal the full-resident engine's, which every lookahead-off test equals too.
 """
 
 from __future__ import annotations
@@ -120,3 +123,25 @@ def test_tp1_fast_step_lookahead_host_tier_chains(ray_cluster):
     assert {rows[r]["target"] for r in ("h0", "h1")} == {"host"}
     assert counters["chained_rows"] > 0 and counters["backups"] > 0, counters
     assert stats["fast_steps"] > 0 and stats["error"] is None
+
+
+def test_tp2_host_tier_requests_chain(ray_cluster):
+    """Failed before the pool's step ring: at TP 2 a host-tier request never chained (the
+    coordinator waited for its backup's report), so ``chained_rows`` stayed 0 here."""
+    spec = ReplicaSpec(tp_size=2, max_batch=4, num_device_blocks=12, staging_blocks=4, page_size=8,
+                       replica_id="la-tp2-host", lookahead=True)
+    rng = random.Random(13)
+    requests = [("h0", _prompt(rng, 150)), ("h1", _prompt(rng, 90)), ("h2", _prompt(rng, 120))]
+    ref = replica_baseline(spec, [p for _, p in requests], 16, [r for r, _ in requests])
+    with _replica(spec, 0.004) as rep:
+        co = rep.coordinator
+        for rid, p in requests:
+            ray.get(co.submit.remote(rid, p, 16))
+        rows = {r["request_id"]: r for r in ray.get(co.wait.remote([r for r, _ in requests], 300))}
+        counters = _settled(rep)
+        stats = ray.get([r.stats.remote() for r in rep.ranks])
+    for rid, _ in requests:
+        assert rows[rid]["error"] is None and rows[rid]["tokens"] == ref[rid], rid
+    assert {rows[r]["target"] for r, _ in requests} == {"host"}
+    assert counters["chained_rows"] > 0 and counters["backups"] > 0, counters
+    assert all(s["error"] is None and s["steps"] > 0 for s in stats), stats

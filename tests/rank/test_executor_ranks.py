@@ -50,8 +50,8 @@ class TwoRanks:
                 {(row.request_id, row.seq_len): out[b].clone() for b, row in enumerate(rows)}))
         self.published: list[int] = []
 
-    def add(self, rid: str, prompt: list[int], new: int) -> None:
-        adm = self.core.admit(rid, prompt, new)
+    def add(self, rid: str, prompt: list[int], new: int, chain: bool = False) -> None:
+        adm = self.core.admit(rid, prompt, new, chain=chain)
         assert adm is not None
         tokens = torch.tensor(prompt[:adm.num_positions], dtype=torch.int64)
         with torch.no_grad():
