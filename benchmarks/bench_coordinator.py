@@ -45,7 +45,7 @@ def _setup(n: int, ctx: int) -> tuple[Coordinator, dict]:
 def _step(c: Coordinator, names: dict, full_scan: bool) -> tuple:
     if full_scan:
         for req in c._requests.values():
-            req.table_dirty = True
+            req.mark_table()
     cmd = c.take_command()
     for d in cmd.handles:
         names[d.handle] = d.request_id

@@ -196,6 +196,7 @@ def land(res: Residency, req: Request, how: Fit) -> Admission:
         req.pages += [Page(host=b) for b in fresh]
         req.hot = list(hot)
         plan = tuple(LandingPage(i, *p.entry(), p.reused) for i, p in enumerate(req.pages))
-    req.state, req.table_dirty = RequestState.LANDING, True
+    req.state = RequestState.LANDING
+    req.mark_table()
     res.stats["admitted"] += 1
     return Admission(req.rid, req.target, req.prompt_len - 1, plan, tuple(req.hot))

@@ -226,7 +226,6 @@ class Coordinator:
                     hb = self.host.allocate(1)
                     assert hb is not None, f"{req.rid}: host page outside its reservation"
                     req.pages.append(Page(host=hb[0]))
-                req.table_dirty = True
             h = self._handle(req, defined)
             if req.tier is LandingTarget.HOST:
                 p = res.emit_backup(req, i)
@@ -440,7 +439,8 @@ class Coordinator:
             return False
         blocks = self.device.lease(n, req.rid)
         assert blocks is not None
-        req.backed, req.stalled, req.table_dirty = backed, False, True
+        req.backed, req.stalled = backed, False
+        req.mark_table()
         for page, d in zip(req.pages, blocks):
             page.device = d
         self.res.start_restore(req, list(range(len(req.pages))))

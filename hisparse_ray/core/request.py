@@ -65,7 +65,7 @@ class Request:
     in_flight: set[TransferId] = field(default_factory=set)
     conversion: Conversion | None = None
     sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # worker's view of the table
-    table_dirty: bool = True  # a page's blocks may differ from ``sent`` (set where they change)
+    table_from: int = 0  # pages from this index on may differ from ``sent`` (see table_changes)
     handle: int | None = None  # its integer name in step commands, from its first command on
     sent_hot: tuple[int, ...] | None = None  # the hot buffer the workers last received
     keys: list[PrefixKey] = field(default_factory=list)  # keys of full pages, computed lazily
@@ -93,19 +93,23 @@ class Request:
         if self.state is RequestState.RELEASED:
             assert not (self.pages or self.hot or self.in_flight), f"{self.rid} released with leases"
 
+    def mark_table(self, page: int = 0) -> None:
+        """Page ``page`` (default: every page) may have changed blocks: the next
+        :meth:`table_changes` scans from it. Call it wherever a page's ``host`` / ``device``
+        changes; a page appended at the end needs no call (it lies past ``table_from``)."""
+        self.table_from = min(self.table_from, page)
+
     def table_changes(self) -> list[tuple[int, int, int]]:
         """``(page, host_block, device_block)`` of every page whose entry the workers have not
-        received, now marked received. Scans the pages only when one may have changed
-        (``table_dirty``): a step costs O(changed requests' pages), not O(all pages)."""
-        if not self.table_dirty:
-            return []
-        self.table_dirty = False
+        received, now marked received. Scans only pages from ``table_from`` on (then set past
+        the last page): a step costs O(requests + changed pages), not O(all pages)."""
         out = []
-        for i, page in enumerate(self.pages):
-            e = page.entry()
+        for i in range(self.table_from, len(self.pages)):
+            e = self.pages[i].entry()
             if self.sent.get(i) != e:
                 self.sent[i] = e
                 out.append((i, *e))
+        self.table_from = len(self.pages)
         return out
 
     @property

@@ -83,7 +83,8 @@ class Residency:
         blocks = self.host.allocate(len(req.pages))
         if blocks is None:
             return False
-        req.conversion, req.stalled, req.table_dirty = Conversion.SPILL, False, True
+        req.conversion, req.stalled = Conversion.SPILL, False
+        req.mark_table()
         for i, (page, h) in enumerate(zip(req.pages, blocks)):
             page.host, page.host_rows = h, 0
             self._emit(TransferOp.SPILL, req, i, page)
@@ -106,7 +107,8 @@ class Residency:
         page = req.pages[p.page]
         d = p.device_block
         assert d is not None and page.device == d
-        page.device, req.table_dirty = None, True
+        page.device = None
+        req.mark_table(p.page)
         self.device.unpin(d)
         if len(req.hot) < self.hot_n and req.state is not RequestState.FINISHED:
             req.hot.append(d)  # stream order makes reuse as a hot block safe
@@ -141,7 +143,7 @@ class Residency:
                 if page.host is not None:
                     self.host.release(page.host)
                 page.host, page.host_rows, page.reused = None, 0, False
-            req.table_dirty = True
+            req.mark_table()
             for b in req.hot:
                 self.device.release(b)
             req.hot.clear()

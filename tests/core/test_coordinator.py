@@ -209,12 +209,12 @@ def test_a_step_scans_only_the_page_tables_that_changed_and_a_missed_change_is_c
     ack(c, take(c), sample=9)  # position 3 in page 1: no new page
     req = c._requests["a"]
     cmd = take(c)  # position 4 needs page 2: the table is scanned once, then clean
-    assert cmd.table_diffs == (TableDiff(0, 2, -1, 2),) and not req.table_dirty
+    assert cmd.table_diffs == (TableDiff(0, 2, -1, 2),) and req.table_from == 3
     ack(c, cmd, sample=9)
     cmd = take(c)  # position 5 in page 2: no page changed, nothing scanned
-    assert cmd.table_diffs == () and not req.table_dirty
+    assert cmd.table_diffs == () and req.table_from == 3
     req.pages[0].device = 7  # a change that forgot to mark the table: the invariants name it
-    with pytest.raises(AssertionError, match="table_dirty"):
+    with pytest.raises(AssertionError, match="mark_table"):
         c.check_invariants()
 
 
