@@ -103,6 +103,23 @@ def test_tp2_reference_path_lookahead_equals_full_resident(ray_cluster):
     assert all(s["error"] is None and s["steps"] > 0 for s in stats), stats
 
 
+def _greedy_run(spec, requests, jitter, max_new=16):
+    """Submit greedy ``requests`` (``[(rid, prompt)]``) to the replica under finisher ``jitter``
+    and wait for them: ``(rows by id, settled counters, every rank's stats)``; every request's
+    tokens equal the full-resident engine's (``replica_baseline``)."""
+    ref = replica_baseline(spec, [p for _, p in requests], max_new, [r for r, _ in requests])
+    with _replica(spec, jitter) as rep:
+        co = rep.coordinator
+        for rid, p in requests:
+            ray.get(co.submit.remote(rid, p, max_new))
+        rows = {r["request_id"]: r for r in ray.get(co.wait.remote([r for r, _ in requests], 300))}
+        counters = _settled(rep)
+        stats = ray.get([r.stats.remote() for r in rep.ranks])
+    for rid, _ in requests:
+        assert rows[rid]["error"] is None and rows[rid]["tokens"] == ref[rid], rid
+    return rows, counters, stats
+
+
 def test_tp1_fast_step_lookahead_host_tier_chains(ray_cluster):
     spec = ReplicaSpec(tp_size=1, max_batch=4, num_device_blocks=12, staging_blocks=4, page_size=8,
                        replica_id="la-fast", lookahead=True,
@@ -110,19 +127,10 @@ def test_tp1_fast_step_lookahead_host_tier_chains(ray_cluster):
     rng = random.Random(12)
     requests = [("h0", _prompt(rng, 150)), ("r0", _prompt(rng, 12)), ("h1", _prompt(rng, 90)),
                 ("r1", [5])]
-    ref = replica_baseline(spec, [p for _, p in requests], 16, [r for r, _ in requests])
-    with _replica(spec, 0.003) as rep:
-        co = rep.coordinator
-        for rid, p in requests:
-            ray.get(co.submit.remote(rid, p, 16))
-        rows = {r["request_id"]: r for r in ray.get(co.wait.remote([r for r, _ in requests], 300))}
-        counters = _settled(rep)
-        stats = ray.get(rep.ranks[0].stats.remote())
-    for rid, _ in requests:
-        assert rows[rid]["error"] is None and rows[rid]["tokens"] == ref[rid], rid
+    rows, counters, stats = _greedy_run(spec, requests, 0.003)
     assert {rows[r]["target"] for r in ("h0", "h1")} == {"host"}
     assert counters["chained_rows"] > 0 and counters["backups"] > 0, counters
-    assert stats["fast_steps"] > 0 and stats["error"] is None
+    assert stats[0]["fast_steps"] > 0 and stats[0]["error"] is None
 
 
 def test_tp2_host_tier_requests_chain(ray_cluster):
@@ -132,16 +140,7 @@ def test_tp2_host_tier_requests_chain(ray_cluster):
                        replica_id="la-tp2-host", lookahead=True)
     rng = random.Random(13)
     requests = [("h0", _prompt(rng, 150)), ("h1", _prompt(rng, 90)), ("h2", _prompt(rng, 120))]
-    ref = replica_baseline(spec, [p for _, p in requests], 16, [r for r, _ in requests])
-    with _replica(spec, 0.004) as rep:
-        co = rep.coordinator
-        for rid, p in requests:
-            ray.get(co.submit.remote(rid, p, 16))
-        rows = {r["request_id"]: r for r in ray.get(co.wait.remote([r for r, _ in requests], 300))}
-        counters = _settled(rep)
-        stats = ray.get([r.stats.remote() for r in rep.ranks])
-    for rid, _ in requests:
-        assert rows[rid]["error"] is None and rows[rid]["tokens"] == ref[rid], rid
+    rows, counters, stats = _greedy_run(spec, requests, 0.004)
     assert {rows[r]["target"] for r, _ in requests} == {"host"}
     assert counters["chained_rows"] > 0 and counters["backups"] > 0, counters
     assert all(s["error"] is None and s["steps"] > 0 for s in stats), stats
