@@ -29,8 +29,9 @@ def _setup(n: int, ctx: int) -> tuple[Coordinator, dict]:
     pages = ctx // PAGE + 16
     # the first request lands resident (its prompt's pages), the others on the host tier (a hot
     # buffer each); the first converts to the host tier when it needs a page the pool lacks
-    c = Coordinator(CoordinatorConfig(num_device_blocks=n * 66 + pages, num_host_blocks=2 * n * pages,
-                                      page_size=PAGE, device_buffer_size=4096, max_batch=n))
+    c = Coordinator(CoordinatorConfig(num_device_blocks=n * 66 + pages,
+                                      num_host_blocks=2 * n * pages, page_size=PAGE,
+                                      device_buffer_size=4096, max_batch=n))
     for i in range(n):
         a = c.admit(f"r{i}", list(range(i * ctx, (i + 1) * ctx)), 900)
         if a is not None:
@@ -72,7 +73,8 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     rows = []
-    print(f"{'requests':>8} {'context':>8} {'rows':>5} {'ms/step':>8} {'full scan':>10} {'ratio':>6}")
+    head = ("requests", 8), ("context", 8), ("rows", 5), ("ms/step", 8), ("full scan", 10), ("ratio", 6)
+    print(" ".join(f"{name:>{w}}" for name, w in head))
     for ctx in args.contexts:
         for n in args.requests:
             c, names = _setup(n, ctx)

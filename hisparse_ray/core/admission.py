@@ -153,18 +153,15 @@ def fit(res: Residency, req: Request, target: LandingTarget, matched: list[HostB
 
 
 def waiting_target(cfg: CoordinatorConfig, requests: Iterable[Request], req: Request,
-                   resident_ever: bool) -> LandingTarget:
+                   resident_ever: bool, host_ever: bool) -> LandingTarget:
     """The target a request that fits neither tier now waits with (and keeps: the landing target
     is chosen once). RESIDENT when its whole life fits the device pool (``resident_ever``) and
     converting every other request to the host tier could make device room for its prompt: each
-    keeps a hot buffer, or its pages if fewer (those are never converted). Else HOST (with a host
-    tier whose pool holds its life): a RESIDENT wait the conversions cannot serve would leave the
+    keeps a hot buffer, or its pages if fewer (those are never converted). Else HOST when its life
+    fits the host tier (``host_ever``; both flags from :func:`pools_that_fit`): a RESIDENT wait the conversions cannot serve would leave the
     device idle until requests finish, room for hot buffers meanwhile."""
-    life = life_pages(cfg, req)
-    if not (cfg.host_tier and life <= cfg.num_host_blocks):
+    if not (resident_ever and host_ever):
         return LandingTarget.RESIDENT if resident_ever else LandingTarget.HOST
-    if not resident_ever:
-        return LandingTarget.HOST
     hot_n = cfg.hot_blocks_per_request
     kept = sum(min(hot_n, len(r.hot) + len(r.pages)) for r in requests if r.pages or r.hot)
     floor = max(cfg.pages_for(req.prompt_len), hot_n)

@@ -69,8 +69,8 @@ class Coordinator:
     life fits the device (unbacked: never spills; preferred when that costs the device no more,
     or when the host room is short); else HOST if a hot buffer and its life in host blocks
     (beyond the matched prefix) fit; else the request waits with the target
-    :func:`~hisparse_ray.core.admission.waiting_target` picks, and keeps it across retries. A request that does not
-    fit even empty pools is refused (CapacityError).
+    :func:`~hisparse_ray.core.admission.waiting_target` picks, and keeps it across retries. A
+    request that does not fit even empty pools is refused (CapacityError).
 
     Waiting requests are retried in FIFO order by :meth:`poll_waiting` (a new request waits
     behind earlier waiting ones). Under device pressure (a waiting admission, or a resident request
@@ -124,7 +124,8 @@ class Coordinator:
                 how = fit(self.res, req, LandingTarget.HOST, matched, free)
                 target = LandingTarget.HOST
         if how is None:
-            target = waiting_target(self.config, self._requests.values(), req, resident_ever)
+            target = waiting_target(self.config, self._requests.values(), req,
+                                    resident_ever, host_ever)
             req.target = req.tier = target
             self._record(req)
             self._waiting.append(req.rid)

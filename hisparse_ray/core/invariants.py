@@ -24,9 +24,9 @@ def check_coordinator(c: "Coordinator") -> None:
     its ack (a pending transfer's blocks are still leased/owned and pinned); stable tiers have
     their shape; waiting/released requests hold nothing; a request handle names at most one
     request and is never both free and in use; a request's pages before ``table_from`` (not marked
-    changed) have sent the workers their current blocks; the pools cover every reservation (available host
-    blocks >= host reservations, free device blocks >= device reservations), so no request can
-    run out of blocks mid-decode; a capped index-key pool covers the pages of every landed
+    changed) have sent the workers their current blocks; the pools cover every reservation
+    (available host blocks >= host reservations, free device blocks >= device reservations), so no
+    request can run out of blocks mid-decode; a capped index-key pool covers the pages of every landed
     request not yet released."""
     host, device, book = c.host, c.device, c.book
     c.res.check_invariants()
@@ -54,8 +54,9 @@ def check_coordinator(c: "Coordinator") -> None:
             assert (req.state is RequestState.WAITING) == (rid in waiting)
             continue
         assert rid not in waiting, f"{rid} is queued but {req.state}"
-        assert all(req.sent.get(i) == p.entry() for i, p in enumerate(req.pages[:req.table_from])), \
-            f"{rid}: a page's blocks changed but mark_table was not called (the workers miss the diff)"
+        clean = enumerate(req.pages[:req.table_from])
+        assert all(req.sent.get(i) == p.entry() for i, p in clean), \
+            f"{rid}: a page's blocks changed but mark_table was not called (workers miss the diff)"
         for i, page in enumerate(req.pages):
             assert 0 <= page.host_rows <= ps, f"{rid} page {i} host_rows={page.host_rows}"
             if page.device is not None:

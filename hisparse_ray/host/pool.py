@@ -23,8 +23,9 @@ from hisparse_ray.config import GIB, KVLayout
 from hisparse_ray.errors import HostPoolError
 from hisparse_ray.host.segment import (  # noqa: F401  (re-exported: the pool's public surface)
     CREATING, DEFAULT_PREFIX, EVENT_OFFSET, EVENT_SLOT, HEADER_BYTES, HEADER_STRUCT, MAGIC,
-    MAX_EVENT_RING, MAX_POOL_FRACTION, MAX_REGISTER_BYTES, READY, REGISTER_FLAGS, SEQ_OFFSET, SHM_DIR,
-    STATE_OFFSET, STEP_OFFSET, STEP_SLOTS, VERSION, HostSharing, cleanup_stale, fit_problem, layer_stride, list_segments,
+    MAX_EVENT_RING, MAX_POOL_FRACTION, MAX_REGISTER_BYTES, READY, REGISTER_FLAGS, SEQ_OFFSET,
+    SHM_DIR, STATE_OFFSET, STEP_OFFSET, STEP_SLOTS, VERSION, HostSharing, cleanup_stale,
+    fit_problem, layer_stride, list_segments,
     mapped_segments, mem_available_bytes, physical_pool_bytes, pool_bytes, prefault, proc_stat,
     read_header, register_chunks, unlink_quiet,
 )

@@ -21,8 +21,8 @@ the logits are: ``rank/sampler.py``; rank 0 reports the tokens); enqueue
 the eager backups of the newest rows (rank 0; on the fast path while its launched step runs,
 before its outputs are read back), then publish the step's host writes (rank 0: the
 pool's next generation, its IPC event recorded on the copy stream after them, named as the
-step's in the step ring; reported in ``StepReport.published``). On CUDA every copy runs on the rank's copy stream, which first waits
-for the compute stream's work so far; nothing blocks the host. Acks: every transfer id is
+step's in the step ring; reported in ``StepReport.published``). On CUDA every copy runs on the
+rank's copy stream, which first waits for the compute stream's work so far; nothing blocks the host. Acks: every transfer id is
 reported *enqueued* in the step that issued it and *completed* once its copy event has fired; on
 CPU both in the same report.
 """

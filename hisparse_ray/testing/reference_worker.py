@@ -11,8 +11,8 @@ Host writes (spills, backups) are rank 0's: each command's writes form the next 
 generation, and every host read of a command (restores, the forward) must find its row's
 generation published to the peers: by the command (``host_seq``) or, for a command with a chained
 row (taken before the previous step's report), by the previous step, whose generation a peer finds
-by step number in the pool's step ring when rank 0 wrote the host in it (``HostPool.wait_step``). Acks are released later, at
-random, per rank, out of order (``report``; rank 0's carry the latest generation). A chained row
+by step number in the pool's step ring when rank 0 wrote the host in it (``HostPool.wait_step``).
+Acks are released later, at random, per rank, out of order (``report``; rank 0's carry the latest generation). A chained row
 (``prev_row >= 0``) is fed the token this worker sampled for that row of the command it executed
 just before, which must be the previous step and name the same request; sampled tokens are
 reported in random step order, but in step order per request.

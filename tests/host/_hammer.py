@@ -46,6 +46,32 @@ def writer_of(plan: list[list[int]]) -> dict[int, int]:
     return {r: g for g, rows in enumerate(plan) for r in rows}
 
 
+def write_rows(pool: HostPool, rows: list[int], gen: int, rng: random.Random) -> None:
+    """Stamp ``rows`` of every layer with ``gen``, in two stores per row with a random pause
+    between now and then (a torn read is observable)."""
+    for r in rows:
+        for l in range(LAYOUT.num_layers):
+            row = pool.layer(l)[r].view(torch.int64)
+            half = row.shape[0] // 2
+            row[:half].fill_(stamp(gen, r, l))
+            if rng.random() < 0.05:
+                time.sleep(rng.random() * 2e-4)
+            row[half:].fill_(stamp(gen, r, l))
+
+
+def check_rows(pool: HostPool, rows: list[int], written: dict[int, int], stats: dict) -> None:
+    """Read every layer of ``rows``; count each torn (mixed stamps) or stale (not the stamp of
+    the generation ``written[row]``) in ``stats``, and every row read."""
+    for r in rows:
+        for l in range(LAYOUT.num_layers):
+            copy = pool.layer(l)[r].view(torch.int64).numpy().copy()
+            if not (copy == copy[0]).all():
+                stats["torn"] += 1
+            elif int(copy[0]) != stamp(written[r], r, l):
+                stats["stale"] += 1
+            stats["rows"] += 1
+
+
 def run_writer(pool: HostPool, seed: int, gens: int, duration_s: float = 1.0) -> int:
     """Owner side: write every generation of the schedule, with random pauses, spread over about
     ``duration_s`` so that readers overlap it, publishing each; returns gens."""
@@ -56,14 +82,7 @@ def run_writer(pool: HostPool, seed: int, gens: int, duration_s: float = 1.0) ->
         ahead = t0 + duration_s * g / gens - time.monotonic()
         if ahead > 0:
             time.sleep(ahead * rng.random() * 2)
-        for r in plan[g]:
-            for l in range(LAYOUT.num_layers):
-                row = pool.layer(l)[r].view(torch.int64)
-                half = row.shape[0] // 2  # two stores per row: a torn read is observable
-                row[:half].fill_(stamp(g, r, l))
-                if rng.random() < 0.05:
-                    time.sleep(rng.random() * 2e-4)
-                row[half:].fill_(stamp(g, r, l))
+        write_rows(pool, plan[g], g, rng)
         pool.publish()
         if rng.random() < 0.3:
             time.sleep(rng.random() * 5e-4)
@@ -90,14 +109,7 @@ def run_reader(pool: HostPool, seed: int, gens: int, min_reads: int = 200,
         final = [r for r, g in written.items() if g <= target]
         if not honest:  # the rows only the picked generation writes: the likeliest to be missing
             final = plan[target] or final
-        for r in rng.sample(final, min(len(final), rng.randint(1, 8))):
-            for l in range(LAYOUT.num_layers):
-                copy = pool.layer(l)[r].view(torch.int64).numpy().copy()
-                if not (copy == copy[0]).all():
-                    stats["torn"] += 1
-                elif int(copy[0]) != stamp(written[r], r, l):
-                    stats["stale"] += 1
-                stats["rows"] += 1
+        check_rows(pool, rng.sample(final, min(len(final), rng.randint(1, 8))), written, stats)
         stats["reads"] += 1
         if rng.random() < 0.2:
             time.sleep(rng.random() * 3e-4)

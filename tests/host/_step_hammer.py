@@ -16,10 +16,8 @@ from __future__ import annotations
 import random
 import time
 
-import torch
-
 from hisparse_ray.host.pool import HostPool
-from tests.host._hammer import LAYOUT, ROWS, stamp
+from tests.host._hammer import ROWS, check_rows, write_rows
 
 AHEAD = 2  # rank 0 runs at most this many steps past the peer's last finished one
 
@@ -44,17 +42,6 @@ def plan(seed: int, steps: int) -> list[dict]:
     return out
 
 
-def _write_rows(pool: HostPool, rows: list[int], gen: int, rng: random.Random) -> None:
-    for r in rows:
-        for l in range(LAYOUT.num_layers):
-            row = pool.layer(l)[r].view(torch.int64)
-            half = row.shape[0] // 2  # two stores per row: a torn read is observable
-            row[:half].fill_(stamp(gen, r, l))
-            if rng.random() < 0.05:
-                time.sleep(rng.random() * 2e-4)
-            row[half:].fill_(stamp(gen, r, l))
-
-
 def run_rank0(pool: HostPool, seed: int, steps: int, peer_done, duration_s: float = 1.0) -> None:
     """Rank 0: every step of the plan with random pauses (spread over about ``duration_s``),
     never more than ``AHEAD`` steps past ``peer_done.value`` (the peer's last finished step)."""
@@ -70,7 +57,7 @@ def run_rank0(pool: HostPool, seed: int, steps: int, peer_done, duration_s: floa
         for _ in range(p[n]["extra"]):
             pool.publish()  # a landing's writes: a generation no step names
         if p[n]["rows"]:
-            _write_rows(pool, p[n]["rows"], p[n]["gen"], rng)
+            write_rows(pool, p[n]["rows"], p[n]["gen"], rng)
             assert pool.publish(step=n) == p[n]["gen"]
         if rng.random() < 0.3:
             time.sleep(rng.random() * 5e-4)
@@ -94,15 +81,7 @@ def run_peer(pool: HostPool, seed: int, steps: int, peer_done, honest: bool = Tr
                 g = pool.wait_step(n - 1, timeout_s=timeout_s)
                 stats["waits"] += 1
                 stats["wrong_gen"] += g != prev["gen"]
-            check = prev["rows"] + rng.sample(final, min(len(final), 3))
-            for r in check:
-                for l in range(LAYOUT.num_layers):
-                    copy = pool.layer(l)[r].view(torch.int64).numpy().copy()
-                    if not (copy == copy[0]).all():
-                        stats["torn"] += 1
-                    elif int(copy[0]) != stamp(written[r], r, l):
-                        stats["stale"] += 1
-                    stats["rows"] += 1
+            check_rows(pool, prev["rows"] + rng.sample(final, min(len(final), 3)), written, stats)
         elif prev["rows"]:  # not chained: the report of n - 1 came first (the step barrier)
             pool.wait_published(prev["gen"], timeout_s=timeout_s)
         final += prev["rows"]
