@@ -246,10 +246,11 @@ class DecodeWorker:
                     continue
                 t0 = time.perf_counter()
                 with self._lock:
-                    # rank 0 returns with its host writes enqueued and published (the report
-                    # carries the generation); a peer's streams wait on it (cmd.host_seq), or,
-                    # for a command chained past the previous step, on that step's generation
-                    # by step number (the pool's step ring: rank 0 need not have reported)
+                    # rank 0 returns with its host writes enqueued and published as the step's
+                    # (the report carries the generation); a peer waits on the host for
+                    # cmd.host_seq and, after a step in which rank 0 wrote the host, for that
+                    # step by number (the step ring, then its stream on the step's IPC event;
+                    # rank 0 need not have reported)
                     step = self.executor.launch(cmd)
                     report = None if finisher else self.executor.finish(step)
                 if finisher:

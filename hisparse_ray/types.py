@@ -119,8 +119,9 @@ class StepCommand(_Wire, tag=1):
 
     A diff against the previous commands, never a snapshot; a rank applies it in this order:
     ``released`` handles are forgotten (with their request's state), ``handles`` defined, the
-    peers' streams wait until host-pool generation ``host_seq`` is published (rank 0's writes of
-    the steps before: see docs/architecture.md "How the ranks are ordered"), ``table_diffs``
+    peers wait on the host until generation ``host_seq`` is published and, when rank 0 wrote the
+    host in the previous step, for that step by number (its IPC event: the streams; see
+    docs/architecture.md "How the ranks are ordered"), ``table_diffs``
     applied, ``transfers`` enqueued, ``batch`` run (a row's ``hot_blocks`` bind a new hot
     buffer), ``backups`` enqueued. Requests are named by the integer handles of ``handles``
     (this or an earlier command); the codec holds no state."""
@@ -132,7 +133,9 @@ class StepCommand(_Wire, tag=1):
     backups: tuple[Backup, ...] = ()
     released: tuple[int, ...] = ()  # handles whose request's rank-side state may be dropped
     handles: tuple[RequestHandle, ...] = ()  # handles named from this command on
-    host_seq: int = 0  # host-pool generation the peers wait for before reading host rows
+    # host-pool generation the peers wait for on the host (acquire: landings' CPU-complete
+    # writes) before reading host rows; GPU ordering is by step number, not by this field
+    host_seq: int = 0
 
 
 class StepReport(_Wire, tag=2):

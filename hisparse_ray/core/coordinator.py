@@ -17,8 +17,8 @@ Worker contract for one StepCommand (one command per step, broadcast to every ra
 ``released`` handles (with their request's state), take the ``handles`` it defines (a request's
 integer handle is defined in the first command that names it and stays until the command that
 releases it; the first command that names a request also carries every page of it in
-``table_diffs``), make host reads wait for host-pool generation ``host_seq`` (peers; for a
-command with a chained row also for the previous step's, by step number), apply
+``table_diffs``), make host reads wait for host-pool generation ``host_seq`` (peers, on the host)
+and for the previous step by number when rank 0 wrote the host in it (peers: its IPC event), apply
 ``table_diffs``, enqueue ``transfers`` on the stream in order, run the forward of ``batch`` (a
 row's ``hot_blocks``, sent only when they changed, bind a new hot buffer, e.g. after a spill
 conversion), then the ``backups`` on the side stream; report each transfer id enqueued and
@@ -285,7 +285,7 @@ class Coordinator:
         if req.awaiting and not (req.chain and req.awaiting == [self._step]
                                  and req.num_generated + 1 < req.max_new_tokens):
             # a host-tier row may read the previous row from its backup, not yet in ``host_seq``:
-            # a peer finds that step's generation by step number (``HostPool.wait_step``)
+            # a peer waits for that step's writes by step number (``HostPool.wait_step``)
             return False
         return (req.state is RequestState.RUNNING and req.conversion is None
                 and all(self.book.pending[t].kind is TransferOp.BACKUP for t in req.in_flight))

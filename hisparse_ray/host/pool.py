@@ -23,13 +23,13 @@ from hisparse_ray.config import GIB, KVLayout
 from hisparse_ray.errors import HostPoolError
 from hisparse_ray.host.segment import (  # noqa: F401  (re-exported: the pool's public surface)
     CREATING, DEFAULT_PREFIX, EVENT_OFFSET, EVENT_SLOT, HEADER_BYTES, HEADER_STRUCT, MAGIC,
-    MAX_EVENT_RING, MAX_POOL_FRACTION, MAX_REGISTER_BYTES, READY, REGISTER_FLAGS, SEQ_OFFSET,
-    SHM_DIR, STATE_OFFSET, STEP_OFFSET, STEP_SLOTS, VERSION, HostSharing, cleanup_stale,
-    fit_problem, layer_stride, list_segments,
+    MAX_EVENT_RING, MAX_POOL_FRACTION, MAX_REGISTER_BYTES, MIN_EVENT_RING, READY, REC_OFFSET,
+    REGISTER_FLAGS, SEQ_OFFSET, SHM_DIR, STATE_OFFSET, STEP_OFFSET, STEP_SLOTS, VERSION,
+    HostSharing, cleanup_stale, fit_problem, layer_stride, list_segments,
     mapped_segments, mem_available_bytes, physical_pool_bytes, pool_bytes, prefault, proc_stat,
     read_header, register_chunks, unlink_quiet,
 )
-from hisparse_ray.host.sync import IpcEventRing, SharedCounter, StepRing, spin_until
+from hisparse_ray.host.sync import IpcEventRing, SharedCounter, StepRing, event_slot, spin_until
 
 
 def _cudart() -> Any:
@@ -58,17 +58,24 @@ class HostPool:
     :meth:`layer` keep the mapping alive after close (plain, unpinned memory then); CUDA aliases
     from :meth:`device_layer` / :meth:`device_stacked` are valid only until close.
 
-    Write/publish protocol (rank 0 is the only writer): the owner writes a batch of pages, then
-    ``publish()``es it as the next generation g (the header counter); on CUDA pools publish first
-    records the IPC event of slot ``g % event_ring`` on the stream its copies ran on. A peer
-    calls ``wait_published(g)`` before it reads anything of that batch: the counter says the
-    event was recorded, and its stream waits on the event. The step command carries g
-    (``StepCommand.host_seq``); see docs/architecture.md "How the ranks are ordered".
+    Write/publish protocol (rank 0 is the only writer): every batch of writes is published as
+    the pool's next generation g (the header counter, release). Two kinds:
 
-    Step ring (header, ``STEP_SLOTS`` slots): ``publish(stream, step=N)`` also names g as step
-    N's generation, stored after the counter; a peer running a command chained past step N,
-    whose report (and so g) the command could not carry, calls ``wait_step(N)``: it waits for
-    that slot, then ``wait_published(g)``.
+    - ``publish(stream, step=N)``: rank 0's writes of step N enqueued on its copy stream (spills,
+      backups). On CUDA pools it first records the IPC event of slot ``N % event_ring``
+      (:func:`~hisparse_ray.host.sync.event_slot`) on ``stream``, then bumps the counter, then
+      names g as step N's in the header's step ring (``STEP_SLOTS`` slots). A peer orders its
+      GPU reads after them with ``wait_step(N)``: a host spin until the step ring names step N,
+      then its stream waits on step N's event. Every step publish comes from rank 0's one copy
+      stream, so step N's event also covers every earlier step's copies.
+    - ``publish()``: writes already complete in host memory when it is called (CPU stores,
+      landings' synchronous staging copies): the counter only, no event (none is needed: no GPU
+      work of rank 0 is pending on those bytes). A peer's ``wait_published(g)`` orders its host
+      side after them (acquire).
+
+    A GPU stream never waits on a slot chosen by generation: landing publishes between two steps
+    would move the slot a peer needs to a later step's record (a deadlock at TP > 1, see
+    docs/architecture.md "How the ranks are ordered").
     """
 
     def __init__(self, *, name: str, path: str, mm: mmap.mmap, header: tuple, owner: bool,
@@ -86,6 +93,7 @@ class HostPool:
         self._base = self._arr.ctypes.data
         self._counter: SharedCounter | None = SharedCounter(self._base + SEQ_OFFSET)
         self._steps: StepRing | None = StepRing(self._base + STEP_OFFSET, STEP_SLOTS)
+        self._recording: SharedCounter | None = SharedCounter(self._base + REC_OFFSET)
         self._stacked = self._stack(torch.from_numpy(self._arr))
         self._views = list(self._stacked.unbind(0))
         self._registered: list[int] = []
@@ -119,8 +127,12 @@ class HostPool:
             raise HostPoolError(f"replica id {replica_id!r} cannot be part of a segment name")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise HostPoolError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        if not 0 <= event_ring <= MAX_EVENT_RING:
-            raise HostPoolError(f"event_ring {event_ring} out of range")
+        if event_ring and not MIN_EVENT_RING <= event_ring <= MAX_EVENT_RING:
+            raise HostPoolError(
+                f"event_ring {event_ring} out of range: 0 (no events) or {MIN_EVENT_RING}.."
+                f"{MAX_EVENT_RING} (event slots are indexed by step and rank 0 runs up to two "
+                f"steps ahead of a peer: a smaller ring could be re-recorded before a peer "
+                f"waited on it)")
         register = torch.cuda.is_available() if register_cuda is None else bool(register_cuda)
         cleanup_stale(prefix, shm_dir)
         stride, total = layer_stride(layout, num_blocks), pool_bytes(layout, num_blocks)
@@ -268,18 +280,31 @@ class HostPool:
 
     # ---------------------------------------------------------------- publish protocol
     def publish(self, stream: Any = None, *, step: int | None = None) -> int:
-        """Owner, after a batch of writes (CPU stores, or copies enqueued on ``stream``): record
-        the IPC event of the next generation (CUDA pools: on ``stream``, default the current one),
-        then bump the generation counter (release); with ``step``, then store the generation in
-        the step ring as that step's (:meth:`wait_step`). Returns the new generation (1, 2, ...)."""
+        """Owner, after a batch of writes; returns the new generation (1, 2, ...).
+
+        With ``step`` (rank 0's writes of that step, enqueued on ``stream``, default the current
+        one): on CUDA pools record step ``step``'s IPC event (:meth:`event_slot`) on ``stream``,
+        then bump the generation counter (release), then name the generation as the step's in
+        the step ring (:meth:`wait_step`). Without: bump the counter only, no event: for writes
+        already in host memory (CPU stores, landings' synchronous copies); ``stream`` is then
+        refused (``HostPoolError``): GPU writes are published by step."""
         self._check_owner("publish")
+        if step is None and stream is not None:
+            raise HostPoolError("publish(stream) needs step=: copies enqueued on a stream are "
+                                "published as a step's (their IPC event slot is the step's)")
         seq = self._counter.load() + 1
-        if self._ring is not None:
-            self._ring.record(seq % self._ring.size, stream)
+        if step is not None and self._ring is not None:
+            self._recording.store(step + 1)  # before the record: a peer can tell it was reused
+            self._ring.record(event_slot(step, self._ring.size), stream)
         self._counter.store(seq)
         if step is not None:
             self._steps.store(step, seq)
         return seq
+
+    def event_slot(self, step: int) -> int | None:
+        """The IPC event slot step ``step``'s publish records and :meth:`wait_step` waits on, None
+        on a pool without events (CPU)."""
+        return None if self._ring is None else event_slot(step, self._ring.size)
 
     def step_generation(self, step: int) -> int | None:
         """The generation the owner published for ``step`` (``publish(step=...)``), None while it
@@ -289,8 +314,14 @@ class HostPool:
 
     def wait_step(self, step: int, *, stream: Any = None, timeout_s: float | None = None) -> int:
         """Peer: block until the owner published ``step``'s host writes (``HostPoolError``
-        naming the step after ``timeout_s``), then :meth:`wait_published` of that generation
-        (CUDA: ``stream`` waits on its IPC event). Returns the generation."""
+        naming the step after ``timeout_s``); on CUDA pools then make ``stream`` (default:
+        current) wait on step ``step``'s IPC event, so the GPU work enqueued on it afterwards
+        sees every write rank 0 enqueued in that step and before. Returns the step's generation.
+
+        Call it at the first command after ``step``: rank 0 re-records the slot at step
+        ``step + event_ring`` at the earliest, which it cannot reach before this peer reported
+        ``step + event_ring - 2``. A slot found re-recorded already (rank 0 too far ahead) is a
+        ``HostPoolError`` naming both steps, not a wait on the later step."""
         self._check_open()
         steps = self._steps
         found: list[int] = []
@@ -304,7 +335,15 @@ class HostPool:
         if not stored():
             spin_until(stored, timeout_s, f"rank 0 to publish the host writes of step {step} "
                                           f"({self.name})")
-        self.wait_published(found[0], stream=stream, timeout_s=timeout_s)
+        if self._ring is not None:
+            slot = event_slot(step, self._ring.size)
+            self._ring.wait(slot, self._event_handle(slot), stream)
+            last = self._recording.load() - 1
+            if last >= step + self._ring.size:
+                raise HostPoolError(
+                    f"event slot {slot} of step {step} may hold step {last}'s record: rank 0 ran "
+                    f"{last - step} steps ahead of this peer (event_ring {self._ring.size}) in "
+                    f"host pool {self.name}")
         return found[0]
 
     def published(self) -> int:
@@ -312,20 +351,15 @@ class HostPool:
         self._check_open()
         return self._counter.load()
 
-    def wait_published(self, seq: int, *, stream: Any = None,
-                       timeout_s: float | None = None) -> None:
-        """Peer: block until generation ``seq`` is published (``HostPoolError`` after
-        ``timeout_s``); on CUDA pools also make ``stream`` (default: current) wait on its IPC
-        event, so the GPU work enqueued on it afterwards sees every write of generations
-        ``<= seq``. The event is slot ``seq % ring size``: a slot re-recorded for a later
-        generation makes the stream wait longer, never shorter."""
+    def wait_published(self, seq: int, *, timeout_s: float | None = None) -> None:
+        """Block until generation ``seq`` is published (``HostPoolError`` after ``timeout_s``):
+        host-side ordering only (acquire: the CPU stores before that publish are visible to this
+        thread, and to the GPU work it enqueues later). It waits on no event: GPU writes of a
+        step are ordered by :meth:`wait_step`."""
         self._check_open()
         counter = self._counter
         if counter.load() < seq:
             spin_until(lambda: counter.load() >= seq, timeout_s, f"{self.name} generation {seq}")
-        if self._ring is not None and seq > 0:
-            slot = seq % self._ring.size
-            self._ring.wait(slot, self._event_handle(slot), stream)
 
     def _event_handle(self, slot: int) -> bytes:
         off = EVENT_OFFSET + slot * EVENT_SLOT
@@ -343,7 +377,7 @@ class HostPool:
             self._ring = None
         self._device_stacked = None
         self._unregister()
-        self._counter = self._steps = None
+        self._counter = self._steps = self._recording = None
         self._views = []
         self._stacked = None
         self._arr = None

@@ -19,8 +19,9 @@ from hisparse_ray.errors import HostPoolError
 DEFAULT_PREFIX = "hisparse-pool"
 SHM_DIR = "/dev/shm"
 MAGIC = b"HSPRPOOL"
-VERSION = 3  # 3: the step ring at STEP_OFFSET; 2: the counter at SEQ_OFFSET is the published
-# generation (1 had a seqlock)
+VERSION = 4  # 4: IPC event slots by step number (step % event_ring), recorded only by step
+# publishes, and the recording mark at REC_OFFSET; 3: the step ring at STEP_OFFSET; 2: the
+# counter at SEQ_OFFSET is the published generation (1 had a seqlock)
 HEADER_BYTES = 4096
 ALIGN = 4096
 MAX_REGISTER_BYTES = 64 * GIB  # one cudaHostRegister call; a single 512 GiB call fails
@@ -32,15 +33,22 @@ STALE_GRACE_S = 60.0  # a segment without a readable header is stale only after 
 HEADER_STRUCT = struct.Struct("<8sIIIIIIQQQQQ8sII")
 STATE_OFFSET = 80  # u32 state inside HEADER_STRUCT
 SEQ_OFFSET = 128  # u64 published generation, on its own cache line
+REC_OFFSET = 192  # u64 step + 1 whose IPC event rank 0 records last (stored before the record)
 EVENT_OFFSET = 256  # event ring: slots of 128 bytes, [u32 length][handle bytes]
 EVENT_SLOT = 128
 STEP_OFFSET = 3584  # step ring: STEP_SLOTS slots of [u64 generation][u64 step + 1] (HostPool
 STEP_SLOTS = 32  # .publish(step=...) / .wait_step), up to the end of the header
 MAX_EVENT_RING = (STEP_OFFSET - EVENT_OFFSET) // EVENT_SLOT  # event slots that fit before it
+# Event slots are indexed by step (HostPool.publish(stream, step=N) records slot N % event_ring)
+# and a peer waits on step N's slot at its first command after N; rank 0 runs at most two steps
+# ahead of any peer (step barrier, or lookahead's one step), so a ring of 3 is never re-recorded
+# early and 4 keeps one step of margin (docs/architecture.md "How the ranks are ordered")
+MIN_EVENT_RING = 4
 CREATING, READY = 0, 1
 REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped (UVA device access)
 _MADV_POPULATE_WRITE = 23
-assert HEADER_STRUCT.size <= SEQ_OFFSET and STATE_OFFSET == HEADER_STRUCT.size - 8
+assert HEADER_STRUCT.size <= SEQ_OFFSET < REC_OFFSET < EVENT_OFFSET
+assert STATE_OFFSET == HEADER_STRUCT.size - 8
 assert STEP_OFFSET % 64 == 0 and STEP_OFFSET + 16 * STEP_SLOTS <= HEADER_BYTES
 
 

@@ -1,7 +1,7 @@
 """Cross-process ordering for the shared host pool (adapter ring): the header's generation counter,
-the ring of CUDA IPC events that rank 0 records after each batch of writes, and the step ring that
-names the generation rank 0 published in a given step (a peer running a chained step waits by step
-number, before the coordinator has the report that carries the generation).
+the ring of CUDA IPC events that rank 0 records after each step's GPU writes (indexed by step
+number: :func:`event_slot`), and the step ring that names the generation rank 0 published in a
+given step (a peer waits by step number, before the coordinator has the report that carries it).
 
 The counter is a u64 in the shared header, stored with release and loaded with acquire semantics
 through libatomic (``__atomic_store_8`` / ``__atomic_load_8``) so that the ordering also holds on
@@ -112,12 +112,24 @@ def spin_until(predicate, timeout_s: float | None, what: str) -> None:
             raise HostPoolError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def event_slot(step: int, size: int) -> int:
+    """The IPC event slot of rank 0's step ``step`` in a ring of ``size``: the slot rank 0 records
+    when it publishes the step's GPU writes (``HostPool.publish(stream, step=step)``) and the one
+    a peer's stream waits on for them (``HostPool.wait_step``). By step, never by generation:
+    generations without a step (landings) would otherwise push a slot a peer still needs to a
+    later step's record, behind that step's all-reduce, which needs the peer's own forward queued
+    after its wait (a deadlock)."""
+    return step % size
+
+
 class IpcEventRing:
     """Rank 0's ring of interprocess CUDA events, or a peer's opened copies of them.
 
-    Publication g records slot ``g % size`` on the writer's stream. A peer that waits on a slot
-    after it was re-recorded for a later generation waits longer than needed, never shorter, so
-    readers cannot see stale pages; the header counter tells peers a record has been enqueued.
+    Step N's publish records slot :func:`event_slot` ``(N, size)`` on rank 0's copy stream; a peer
+    waits on it at its first command after N, before rank 0 can record step N + ``size`` there
+    (rank 0 runs at most two steps ahead of a peer; ``MIN_EVENT_RING``). A slot re-recorded for
+    a later step would make a peer wait for that later step's forward: possibly forever (its
+    all-reduce needs the peer's forward of the same step, queued after the wait).
     """
 
     def __init__(self, size: int, owner: bool) -> None:

@@ -6,12 +6,11 @@ caches, and schedules page copies (:mod:`hisparse_ray.host.copies`) against the 
 in-process :class:`~hisparse_ray.engine.Engine` and the ``DecodeWorker`` actor both drive it.
 
 Per command (one per step, the same for every rank), in order: forget released handles and
-their requests; take the handles it defines; a peer makes its stream wait for host-pool
-generation ``host_seq`` (rank 0's IPC event: every host row rank 0 wrote in the steps before is
-then visible to the peer's copies and resolver reads) and, for a command chained past step N
-(a chained row: taken before rank 0's report of N, which ``host_seq`` cannot cover) when rank 0
-wrote the host in N (backups or spills), for step N's generation, found by step number in the
-pool's step ring (``HostPool.wait_step``); apply block-table diffs; enqueue page
+their requests; take the handles it defines; a peer orders its host reads after rank 0's
+writes: on the host, generation ``host_seq`` (landings' CPU-complete writes) and, when rank 0
+wrote the host in the command before (backups or spills), that step by number
+(``HostPool.wait_step``: the step ring, then its stream waits on the step's IPC event, which
+covers every copy rank 0 enqueued in that step and before); apply block-table diffs; enqueue page
 transfers (SPILL device -> host is written by rank 0 only, the one host-pool writer; RESTORE host
 -> device on every rank, MLA KV is replicated); bind hot buffers (a new buffer of a short
 sequence, n <= H, is filled so that slot p holds position p); run the forward (the compute stream
@@ -20,9 +19,10 @@ overwritten early, and a host row is never read before it was written); sample (
 the logits are: ``rank/sampler.py``; rank 0 reports the tokens); enqueue
 the eager backups of the newest rows (rank 0; on the fast path while its launched step runs,
 before its outputs are read back), then publish the step's host writes (rank 0: the
-pool's next generation, its IPC event recorded on the copy stream after them, named as the
-step's in the step ring; reported in ``StepReport.published``). On CUDA every copy runs on the
-rank's copy stream, which first waits for the compute stream's work so far; nothing blocks the host. Acks: every transfer id is
+pool's next generation, named as the step's in the step ring, the step's IPC event recorded
+on the copy stream after them; reported in ``StepReport.published``). On CUDA every copy runs
+on the rank's copy stream, which first waits for the compute stream's work so far; nothing
+blocks the host. Acks: every transfer id is
 reported *enqueued* in the step that issued it and *completed* once its copy event has fired; on
 CPU both in the same report.
 """
@@ -64,8 +64,8 @@ class HiSparseWorker:
     forward (throughput).
     host_wait_s: how long a peer waits for rank 0 to publish the generation a command names
     (published before rank 0 reported the step that wrote it, so a wait means a broken protocol:
-    ``HostPoolError``), or the step a chained command follows (rank 0 publishes it at the end of
-    its launch of that step: ``HostPoolError`` naming the step).
+    ``HostPoolError``), or the step before the command when rank 0 wrote the host in it (rank 0
+    publishes it at the end of its launch of that step: ``HostPoolError`` naming the step).
     kv_codec: the KV-cache dtype's row codec (:mod:`hisparse_ray.kernels.kvfp8`; default: rows in
     the model's dtype); ``layout`` must use its row bytes.
     fast: run batches through the fast decode step (:mod:`hisparse_ray.fastpath`): batched, paged
@@ -123,7 +123,7 @@ class HiSparseWorker:
         self.host_wait_s = check_number("host_wait_s", host_wait_s, lo=0, lo_open=True,
                                         why="seconds")
         self.handles: dict[int, RequestId] = {}
-        self._host_seq = 0  # the host-pool generation this rank's stream last waited for
+        self._host_seq = 0  # (peer) the host-pool generation this rank last waited for
         self._rank0_wrote = -1  # (peer) the last command's step if rank 0 wrote the host in it
         # every page copy of this rank runs here (CUDA), off the compute stream
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -282,25 +282,30 @@ class HiSparseWorker:
         if cmd.backups and not fast:  # the fast path enqueued them while its step ran
             self._enqueue_backups(cmd, enqueued)
         if wrote or (cmd.backups and self.writer):
-            # one generation per step, its event after every copy of the step, named as the
-            # step's in the pool's step ring (for a peer's chained next step: wait_step)
+            # one generation per step, named as the step's in the pool's step ring, its IPC
+            # event (slot by step) after every copy of the step: a peer's next command waits
+            # on it (wait_step)
             self.pool.publish(self.copy_stream, step=cmd.step)
         return Launched(cmd, rows, enqueued, counts, fast, forward)
 
     def _order_after_rank_0(self, cmd: StepCommand) -> None:
-        """(peer) Order this step's host reads after rank 0's writes: those up to ``host_seq``
-        (once per generation; CUDA: the current stream waits on its IPC event, and the copy
-        stream waits on the current stream before each batch of copies) and, when the command
-        chains past step N = ``cmd.step - 1`` (a chained row: taken before rank 0's report of N,
-        so ``host_seq`` cannot cover N) and rank 0 wrote the host in N, step N's generation,
-        found by step number in the pool's step ring (``HostPool.wait_step``)."""
+        """(peer) Order this command's host reads after rank 0's writes. On the host: generation
+        ``host_seq`` (rank 0's latest reported; its landings' writes are in host memory when they
+        publish, so the counter's acquire is all they need). On the GPU: when rank 0 wrote the
+        host in the command before (K: backups or spills, which every rank sees), step K by
+        number (``HostPool.wait_step``: the step ring, then the current stream waits on step K's
+        IPC event; the copy stream waits on the current stream before each batch of copies).
+        Step K's event follows every copy rank 0 enqueued in K and before (one copy stream), and
+        each writing step is waited for at the first command after it, so every host row rank 0
+        wrote in an earlier command is covered. Never a slot chosen by generation: see
+        docs/architecture.md "How the ranks are ordered"."""
         wrote, self._rank0_wrote = self._rank0_wrote, (
             cmd.step if cmd.backups or any(t.kind is TransferKind.SPILL for t in cmd.transfers)
             else -1)  # rank 0 publishes in this step (launch: wrote or backups)
         if cmd.host_seq > self._host_seq:
             self.pool.wait_published(cmd.host_seq, timeout_s=self.host_wait_s)
             self._host_seq = cmd.host_seq
-        if wrote == cmd.step - 1 and any(r.prev_row >= 0 for r in cmd.batch):
+        if wrote >= 0:
             g = self.pool.wait_step(wrote, timeout_s=self.host_wait_s)
             self._host_seq = max(self._host_seq, g)
 

@@ -44,8 +44,9 @@ def test_tp2_landings_spills_restores_backups_match_full_resident(ray_cluster, g
     rank: no two ranks fit one GPU, 0.2 left for prefill): the ranks are on different GPUs, the TP
     group is NCCL, and they still share one host pool segment. Rank 0 never waits for its copies
     (issue #16 B2): the peer reads the rows rank 0 spilled or backed up in the steps before only
-    after its stream waited on their generation's IPC event (``StepCommand.host_seq``); a stale
-    row there would change the peer's half of every head all-reduce, hence the logits."""
+    after its stream waited on the IPC event of the step that wrote them (by step number:
+    ``HostPool.wait_step``, slot ``step % event_ring``; landings between steps record none); a
+    stale row there would change the peer's half of every head all-reduce, hence the logits."""
     import os
 
     model = ModelSpec()

@@ -188,6 +188,12 @@ class PoolActor:
     def read(self, seed: int, gens: int) -> dict:
         return run_reader(self.pool, seed, gens)
 
+    def landings(self, k: int) -> int:
+        """``k`` publishes without a step (landings: CPU-complete, no event); the generation."""
+        for _ in range(k):
+            gen = self.pool.publish()
+        return gen
+
     # --- GPU path: device pages spilled by rank 0, restored by a peer after the IPC event
     def _device_layers(self, seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -195,7 +201,7 @@ class PoolActor:
         return [torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).cuda()
                 for _ in range(LAYOUT.num_layers)]
 
-    def spill_and_publish(self, seed: int, pairs: list[tuple[int, int]]):
+    def spill_and_publish(self, seed: int, pairs: list[tuple[int, int]], step: int):
         from hisparse_ray.host import copies
 
         # kept on self: the source must outlive the enqueued copies (the caching allocator could
@@ -204,15 +210,15 @@ class PoolActor:
         torch.cuda._sleep(20_000_000)  # the copies (and the event) complete well after publish
         for d, h in pairs:
             copies.spill_page(self.layers, self.pool, d, h, self.side)
-        return self.pool.publish(self.side)
+        return self.pool.publish(self.side, step=step)  # a stream's copies: published by step
 
-    def restore_and_check(self, seed: int, pairs: list[tuple[int, int]], publication: int) -> int:
+    def restore_and_check(self, seed: int, pairs: list[tuple[int, int]], step: int) -> int:
         from hisparse_ray.host import copies
 
         want = self._device_layers(seed)
         got = [torch.zeros_like(t) for t in want]
         side = torch.cuda.Stream()
-        self.pool.wait_published(publication, stream=side)
+        self.pool.wait_step(step, stream=side, timeout_s=60)
         for d, h in pairs:
             copies.restore_page(got, self.pool, d, h, side)
         side.synchronize()
@@ -222,25 +228,26 @@ class PoolActor:
             bad += sum(not torch.equal(g[rows], w[rows]) for g, w in zip(got, want))
         return bad
 
-    # --- a decode step's ordering: rank 0 backs rows up on its copy stream and publishes without
-    # waiting; the peer's next step waits on the generation, then reads the rows on the GPU
-    def backup_step(self, seed: int, rows: list[int]) -> int:
+    # --- a decode step's ordering: rank 0 backs rows up on its copy stream and publishes step N
+    # without waiting; the peer's next step waits for step N by number (its IPC event slot), then
+    # reads the rows on the GPU
+    def backup_step(self, seed: int, rows: list[int], step: int) -> int:
         from hisparse_ray.host import copies
 
         self.layers = self._device_layers(seed)  # kept: the copies read it after we return
         self.copy_stream = getattr(self, "copy_stream", None) or torch.cuda.Stream()
         torch.cuda._sleep(20_000_000)  # the forward, still running when the step reports
         copies.backup_rows(self.layers, self.pool, rows, rows, self.copy_stream)
-        return self.pool.publish(self.copy_stream)  # no host sync: the report leaves now
+        return self.pool.publish(self.copy_stream, step=step)  # no host sync: the report leaves
 
-    def read_step(self, seed: int, rows: list[int], generation: int) -> int:
+    def read_step(self, seed: int, rows: list[int], step: int) -> int:
         """Rows of mismatching bytes after reading ``rows`` through UVA (as the resolver reads
-        misses) on the current stream, once it waited for ``generation``."""
+        misses) on the current stream, once it waited for rank 0's ``step``."""
         from hisparse_ray.host import copies
 
         want = self._device_layers(seed)
         got = [torch.zeros_like(t) for t in want]
-        self.pool.wait_published(generation)
+        self.pool.wait_step(step, timeout_s=60)
         copies.fill_rows(got, self.pool, rows, rows, use_uva=True).order_before()
         torch.cuda.current_stream().synchronize()
         return sum(not torch.equal(g[r], w[r]) for g, w in zip(got, want) for r in rows)

@@ -85,9 +85,9 @@ def test_gpu_actors_spill_publish_restore_through_ipc_events(ray_cluster, num_gp
             devs = rng.sample(range(_hammer.NUM_BLOCKS), 8)
             hosts = rng.sample(range(_hammer.NUM_BLOCKS), 8)
             pairs = list(zip(devs, hosts))
-            pub = ray.get(owner.spill_and_publish.remote(100 + round_, pairs))
+            pub = ray.get(owner.spill_and_publish.remote(100 + round_, pairs, round_))
             assert pub == round_ + 1
-            assert ray.get(peer.restore_and_check.remote(100 + round_, pairs, pub)) == 0
+            assert ray.get(peer.restore_and_check.remote(100 + round_, pairs, round_)) == 0
         assert list_segments(PREFIX) == [name]
 
 
@@ -96,14 +96,17 @@ def test_gpu_actors_spill_publish_restore_through_ipc_events(ray_cluster, num_gp
 @pytest.mark.parametrize("num_gpus", [0.5, pytest.param(1, marks=pytest.mark.two_gpus)],
                          ids=["one-gpu", "gpu-each"])
 def test_gpu_peer_reads_the_rows_rank_0_wrote_in_the_previous_step(ray_cluster, num_gpus):
-    """The step ordering of issue #16 B2: each round rank 0 rewrites the SAME host rows with new
-    bytes, on its copy stream behind a 20 ms kernel, and returns the generation without waiting
-    (as its step report does); the peer's stream waits on that generation's IPC event and reads
-    the rows through UVA. Every round it must see the new bytes, never the last round's."""
+    """The step ordering of issue #16 B2: each round (step) rank 0 rewrites the SAME host rows with
+    new bytes, on its copy stream behind a 20 ms kernel, and returns the generation without
+    waiting (as its step report does), then publishes 7 or 9 landing generations (no event);
+    the peer's stream waits on that step's IPC event (slot by step number) and reads the rows
+    through UVA. Every round it must see the new bytes, never the last round's. (With slots by
+    generation, as before 2026-12-05, the landings moved the slot the peer waited on.)"""
     ray = ray_cluster
     with _shared_pool(ray, "step", True, num_gpus=num_gpus) as (owner, peer, _):
         rows = random.Random(3).sample(range(_hammer.NUM_BLOCKS * _hammer.LAYOUT.page_size), 24)
+        gen = 0
         for round_ in range(8):
-            gen = ray.get(owner.backup_step.remote(200 + round_, rows))
-            assert gen == round_ + 1
-            assert ray.get(peer.read_step.remote(200 + round_, rows, gen)) == 0, round_
+            assert ray.get(owner.backup_step.remote(200 + round_, rows, round_)) == gen + 1
+            gen = ray.get(owner.landings.remote(7 if round_ % 2 else 9))
+            assert ray.get(peer.read_step.remote(200 + round_, rows, round_)) == 0, round_

@@ -20,7 +20,8 @@ from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.host.pool import HostPool
 from hisparse_ray.model.model import build_tiny_model
 from hisparse_ray.rank.executor import HiSparseWorker
-from hisparse_ray.types import BatchRow, RequestHandle, StepCommand
+from hisparse_ray.types import BatchRow, RequestHandle, StepCommand, TransferKind
+from tests.host._step_hammer import LANDING, EventLog
 
 PREFIX = f"hs-test-ranks-{os.getpid()}"
 PATHS = {"reference": None, "fast": FastPathConfig(max_context=128, buckets=(2, 4))}
@@ -72,7 +73,8 @@ class TwoRanks:
                 before_peer(cmd)
             rep1 = self.ranks[1].execute(cmd)
         self.published.append(rep0.published)
-        assert rep1.published == 0 and rep0.published == self.pool.published()
+        assert rep1.published == 0  # before_peer may publish too (landings)
+        assert rep0.published == self.pool.published() or before_peer is not None
         for rep in (rep1, rep0):
             self.core.apply_report(rep)
         return cmd
@@ -131,6 +133,61 @@ def test_stale_host_rows_would_show_in_the_peers_logits(model, path):
             pass
         differ = [k for k, got in two.logits[1].items() if not torch.equal(got, two.logits[0][k])]
         assert differ, "stale host rows went unnoticed"
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_landing_publishes_between_steps_never_move_the_event_a_peer_waits_on(model, path):
+    """The TP > 1 deadlock's schedule on CPU, the event ring an ``EventLog`` (which publish
+    recorded each slot last): rank 0 runs command N, then publishes 7 or 9 landings, and only
+    then the peer runs N (so rank 0's N + 1 also comes before the peer's N + 1). Every event the
+    peer's stream waits on must be the record of the step before its command (rank 0 wrote the
+    host in it: backups); the logits still equal rank 0's. Failed before events were indexed by
+    step: the peer waited on generation ``host_seq``'s slot, re-recorded by a landing or (7
+    landings) by rank 0's step N + 1, whose event on a GPU follows that step's all-reduce, which
+    needs the peer's own step N + 1 forward, queued after the wait."""
+    g = torch.Generator().manual_seed(1)
+    two = TwoRanks(model, fast=PATHS[path])
+    labels = [0] * 8
+    two.pool._ring = events = EventLog(labels, owner=True)
+    two.peer_pool._ring = waits = EventLog(labels, owner=False)
+    rank0, peer = two.ranks[0].execute, two.ranks[1].execute
+    caught: list[tuple[int, int]] = []  # (command, label of the record its wait caught)
+
+    wrote: list[int] = []  # steps in which rank 0 wrote the host (backups, spills)
+    commands: list[int] = []
+
+    def rank0_execute(cmd: StepCommand):
+        events.label = cmd.step
+        commands.append(cmd.step)
+        if cmd.backups or any(t.kind is TransferKind.SPILL for t in cmd.transfers):
+            wrote.append(cmd.step)
+        return rank0(cmd)
+
+    def peer_execute(cmd: StepCommand):
+        waits.waits.clear()
+        rep = peer(cmd)
+        caught.extend((cmd.step, label) for _, label in waits.waits)
+        return rep
+
+    def landings(cmd: StepCommand) -> None:
+        events.label = LANDING
+        for _ in range(7 if cmd.step % 2 else 9):
+            two.pool.publish()
+
+    two.ranks[0].execute, two.ranks[1].execute = rank0_execute, peer_execute
+    try:
+        for i, n in enumerate((70, 60)):
+            two.add(f"r{i}", torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist(),
+                    8)
+        while two.step(landings) is not None:
+            pass
+        assert len(caught) >= 8 and all(label == step - 1 for step, label in caught), caught
+        assert events.records == len(wrote)  # none for the landings
+        assert {step for step, _ in caught} == {n + 1 for n in wrote} & set(commands)
+        for key, got in two.logits[1].items():
+            assert torch.equal(got, two.logits[0][key]), key
     finally:
         two.close()
 
