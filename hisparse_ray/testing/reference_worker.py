@@ -8,14 +8,17 @@ processed), the forward reads every position ``< n-1`` from the row its table na
 holds that position's KV, then writes the newest row; backups copy it to host. A row's "KV" is a
 chained hash of the tokens up to it, so a stale, overwritten or wrongly shared row is detected.
 Host writes (spills, backups) are rank 0's: each command's writes form the next host-pool
-generation, and every host read of a command (restores, the forward) must find its row's
-generation published to the peers: by the command (``host_seq``) or, for a command with a chained
-row (taken before the previous step's report), by the previous step, whose generation a peer finds
-by step number in the pool's step ring when rank 0 wrote the host in it (``HostPool.wait_step``).
-Acks are released later, at random, per rank, out of order (``report``; rank 0's carry the latest generation). A chained row
-(``prev_row >= 0``) is fed the token this worker sampled for that row of the command it executed
-just before, which must be the previous step and name the same request; sampled tokens are
-reported in random step order, but in step order per request.
+generation (``host_seq`` must name a published one), and with peers (TP > 1) every host read of a
+command (restores, the forward) of a row rank 0 wrote in step K is legal only when the peers
+waited for a step >= K: a peer waits, at its first command after a step in which rank 0 wrote
+the host, for that step by number (``HostPool.wait_step``: the step's IPC event, which covers
+every earlier step's copies too), so a row written in an earlier command is legal and one
+written in the same command is not (``peer_waits_by_step = False`` turns the wait off: the
+checks must then bite). Landed rows are in host memory before the request decodes. Acks are
+released later, at random, per rank, out of order (``report``; rank 0's carry the latest
+generation). A chained row (``prev_row >= 0``) is fed the token this worker sampled for that
+row of the command it executed just before, which must be the previous step and name the same
+request; sampled tokens are reported in random step order, but in step order per request.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from hisparse_ray.types import (
 
 class ReferenceWorker:
     """Worker-side model of all ranks. ``violations`` lists every broken contract it observed."""
+
+    peer_waits_by_step = True  # False: the peers skip HostPool.wait_step (the checks must bite)
 
     def __init__(self, config: CoordinatorConfig, rng: random.Random, vocab: int = 3) -> None:
         self.cfg, self.rng, self.vocab = config, rng, vocab
@@ -46,9 +51,9 @@ class ReferenceWorker:
         self.names: dict[int, str] = {}  # handle -> request id
         self.hot: dict[str, tuple[int, ...]] = {}  # the hot buffer each request was last sent
         self.gen = 0  # host-pool generations published so far (rank 0 writes)
-        self.host_gen: dict[tuple[int, int], int] = {}  # host row -> generation that wrote it
-        self.step_gen: tuple[int, int] | None = None  # (step, generation its host writes made)
-        self.visible = 0  # the generation a peer's host reads of the current command may see
+        self.host_step: dict[tuple[int, int], int] = {}  # host row -> rank 0's step that wrote it
+        self.wrote_step = -1  # the last executed command's step if rank 0 wrote the host in it
+        self.waited = -1  # the latest step the peers waited for (HostPool.wait_step)
         self.chained_host_rows = 0  # chained rows of host-tier requests (their backup in flight)
         # the last executed command's step and, per batch row, (request id, sampled token)
         self.last: tuple[int, list[tuple[str | None, int | None]]] | None = None
@@ -90,13 +95,13 @@ class ReferenceWorker:
         return rid
 
     def _read_host(self, c: StepCommand, key: tuple[int, int]) -> int | None:
-        """A peer's read of host row ``key``: only after its generation reached the peers. With
-        one rank there are no peers: rank 0 reads what it wrote, ordered after its own copies
-        (``HiSparseWorker``: the compute stream waits for every copy in flight)."""
-        if self.cfg.tp_size > 1 and self.host_gen.get(key, 0) > self.visible:
-            self._bad(f"step {c.step}: host row {key} of generation {self.host_gen[key]} read "
-                      f"with only generation {self.visible} published to the peers "
-                      f"(host_seq {c.host_seq})")
+        """A peer's read of host row ``key``: only after the peers waited for the step that wrote
+        it, or a later one. With one rank there are no peers: rank 0 reads what it wrote, ordered
+        after its own copies (``HiSparseWorker``: the compute stream waits for every copy in
+        flight)."""
+        if self.cfg.tp_size > 1 and self.host_step.get(key, -1) > self.waited:
+            self._bad(f"step {c.step}: host row {key} written in step {self.host_step[key]} read "
+                      f"with the peers waited only for step {self.waited}")
         return self.host.get(key)
 
     def execute(self, c: StepCommand | None) -> None:
@@ -108,10 +113,8 @@ class ReferenceWorker:
         if c.host_seq > self.gen:
             self._bad(f"step {c.step}: host_seq {c.host_seq} was never published ({self.gen})")
         self.steps.append(c.step)
-        self.visible = c.host_seq
-        if (any(r.prev_row >= 0 for r in c.batch) and self.step_gen is not None
-                and self.step_gen[0] == c.step - 1):  # a peer's wait_step
-            self.visible = max(self.visible, self.step_gen[1])
+        if self.wrote_step >= 0 and self.peer_waits_by_step:  # a peer's wait_step
+            self.waited = max(self.waited, self.wrote_step)
         for h in c.released:
             rid = self.names.pop(h, None)
             if rid is None:
@@ -135,7 +138,7 @@ class ReferenceWorker:
             for off in range(self.ps):
                 if t.kind is TransferKind.SPILL:
                     self.host[(t.host_block, off)] = self.device.get((t.device_block, off), -1)
-                    self.host_gen[(t.host_block, off)] = self.gen + 1
+                    self.host_step[(t.host_block, off)] = c.step
                     wrote = True
                 else:
                     self.device[(t.device_block, off)] = self._read_host(c, (t.host_block, off))
@@ -193,13 +196,13 @@ class ReferenceWorker:
             if newest.get(rid) != b.position:
                 self._bad(f"backup of {rid} position {b.position} is not its newest row")
             self.host[(b.host_block, b.offset)] = self._value(rid, b.position)
-            self.host_gen[(b.host_block, b.offset)] = self.gen + 1
+            self.host_step[(b.host_block, b.offset)] = c.step
             wrote = True
             for a in self.acks:
                 a[b.transfer_id] = "issued"
         if wrote:
             self.gen += 1
-        self.step_gen = (c.step, self.gen) if wrote else None
+        self.wrote_step = c.step if wrote else -1
         backed = {b.handle for b in c.backups}
         self.chained_host_rows += sum(r.prev_row >= 0 and r.handle in backed for r in c.batch)
         if samples:

@@ -204,11 +204,13 @@ def test_a_host_tier_request_chains_with_its_backup_in_flight(tp):
     assert c.view("a").tokens == (3, 4, 5, 7, 8)
 
 
-def test_the_reference_worker_lets_only_a_chained_row_read_the_previous_steps_backup():
-    """The reference worker's rule at TP 2: command 2's host reads may see step 1's backup
-    (generation 1, not yet in ``host_seq``) only because it chains past step 1 (a peer waits for
-    step 1 in the step ring); the same reads unchained are flagged."""
-    for chained in (True, False):
+def test_the_reference_worker_lets_a_row_read_the_previous_steps_backup_after_the_step_wait(
+        monkeypatch):
+    """The reference worker's rule at TP 2: command 2's host reads may see step 1's backup (not
+    yet in ``host_seq``) because the peers wait for step 1 by number (``HostPool.wait_step``) at
+    their first command after it; with that wait off the same reads are flagged."""
+    for waits in (True, False):
+        monkeypatch.setattr(ReferenceWorker, "peer_waits_by_step", waits)
         c = make(dev=1, host=8, ps=2, H=1, tp=2)
         w = ReferenceWorker(c.config, random.Random(0))
         w.start("a", [3, 4, 5])
@@ -217,15 +219,13 @@ def test_the_reference_worker_lets_only_a_chained_row_read_the_previous_steps_ba
         w.execute(c.take_command())
         two = c.take_command()
         assert two.host_seq == 0 and two.batch[0].prev_row == 0
-        if not chained:  # its input as a known token: no wait for step 1
-            row = msgspec.structs.replace(two.batch[0], prev_row=-1, input_token=w.tokens["a"][3])
-            two = msgspec.structs.replace(two, batch=(row,))
         w.execute(two)
-        if chained:
-            assert w.violations == [] and w.chained_host_rows == 1
+        assert w.chained_host_rows == 1
+        if waits:
+            assert w.violations == []
         else:
-            assert any("of generation 1 read with only generation 0 published" in v
-                       for v in w.violations), w.violations
+            assert w.violations and all("written in step 1 read with the peers waited only for "
+                                        "step -1" in v for v in w.violations), w.violations
 
 
 def test_no_chained_row_after_a_command_without_the_request():

@@ -16,6 +16,7 @@ from hypothesis.stateful import (
 from hisparse_ray.core import CoordinatorConfig, DeviceBlockPool, HostBlockPool
 from hisparse_ray.errors import DoubleFreeError, StateError
 from hisparse_ray.testing.random_driver import RandomDriver
+from hisparse_ray.testing.reference_worker import ReferenceWorker
 
 FAST = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -295,6 +296,23 @@ def test_random_runs_chain_rows_and_drop_them_after_eos():
     c = d.coord.counters
     assert c.chained_rows > 50 and c.dropped_rows > 0, c
     assert d.worker.chained_host_rows > 10, d.worker.chained_host_rows  # TP 2, backups in flight
+
+
+def test_random_runs_catch_a_peer_that_skips_the_step_wait(monkeypatch):
+    """The random runs' host-read check is not vacuous: with the peers' wait for rank 0's
+    previous writing step turned off (``ReferenceWorker.peer_waits_by_step``), the TP 2 runs
+    above read host rows rank 0 wrote in a step the peers never waited for."""
+    monkeypatch.setattr(ReferenceWorker, "peer_waits_by_step", False)
+    cfg = CoordinatorConfig(num_device_blocks=16, num_host_blocks=24, page_size=2,
+                            device_buffer_size=2, tp_size=2, max_batch=4)
+    d = RandomDriver(cfg, seed=0)
+    caught: list[str] = []
+    for _ in range(3000):
+        d.random_op()
+        caught += [v for v in d.check() if "read with the peers waited only for step" in v]
+        if caught:
+            break
+    assert caught
 
 
 def test_long_random_runs_without_a_host_tier():

@@ -55,23 +55,30 @@ def test_a_first_row_without_its_hot_buffer_is_caught():
     assert w.violations == ["step 1: a's first row carries no hot buffer"]
 
 
-def test_a_host_row_read_before_its_generation_reached_the_peers_is_caught():
-    """With peers (TP 2) a host row is read only once its generation reached them; with one
-    rank, rank 0 reads its own writes in stream order (no peer to wait for)."""
-    for tp in (2, 1):
-        c, w = _setup(prompt=(1, 2, 0), dev=1, tp_size=tp)  # host tier: backups every step
-        cmd = c.take_command()
-        w.execute(cmd)
-        assert w.gen == 1 and w.violations == []
-        for r in range(c.config.tp_size):  # rank 0 reports generation 1: the next command has it
-            rep = w.flush(r)
-            assert rep.published == (1 if r == 0 else 0)
-            c.apply_report(rep)
-        nxt = c.take_command()
-        assert nxt.host_seq == 1
-        w.execute(replace(nxt, host_seq=0))
-        caught = any("read with only generation 0 published" in v for v in w.violations)
-        assert caught == (tp > 1), w.violations
+def test_a_host_row_read_before_the_peers_waited_for_its_step_is_caught(monkeypatch):
+    """With peers (TP 2) a host row rank 0 wrote in step K is read only after the peers waited
+    for a step >= K (``HostPool.wait_step`` at their first command after K); ``host_seq`` orders
+    the host side only, so a command carrying an old one reads step 1's backup legally. With the
+    peers' step wait off the read is flagged; with one rank, rank 0 reads its own writes in
+    stream order (no peer to wait for)."""
+    for waits in (True, False):
+        monkeypatch.setattr(ReferenceWorker, "peer_waits_by_step", waits)
+        for tp in (2, 1):
+            c, w = _setup(prompt=(1, 2, 0), dev=1, tp_size=tp)  # host tier: backups every step
+            cmd = c.take_command()
+            w.execute(cmd)
+            assert w.gen == 1 and w.violations == [] and set(w.host_step.values()) == {1}
+            for r in range(c.config.tp_size):  # rank 0 reports generation 1: the next has it
+                rep = w.flush(r)
+                assert rep.published == (1 if r == 0 else 0)
+                c.apply_report(rep)
+            nxt = c.take_command()
+            assert nxt.host_seq == 1
+            w.execute(replace(nxt, host_seq=0))
+            caught = [v for v in w.violations
+                      if "written in step 1 read with the peers waited only for step -1" in v]
+            assert bool(caught) == (tp > 1 and not waits), w.violations
+            assert len(caught) == len(w.violations)
 
 
 def test_a_host_seq_never_published_is_caught():
