@@ -133,8 +133,8 @@ class StepCommand(_Wire, tag=1):
     backups: tuple[Backup, ...] = ()
     released: tuple[int, ...] = ()  # handles whose request's rank-side state may be dropped
     handles: tuple[RequestHandle, ...] = ()  # handles named from this command on
-    # host-pool generation the peers wait for on the host (acquire: landings' CPU-complete
-    # writes) before reading host rows; GPU ordering is by step number, not by this field
+    # host-pool generation (rank 0's latest reported) the peers wait for on the host before
+    # reading host rows; their GPU streams are ordered by step number, not by this field
     host_seq: int = 0
 
 

@@ -7,7 +7,7 @@ in-process :class:`~hisparse_ray.engine.Engine` and the ``DecodeWorker`` actor b
 
 Per command (one per step, the same for every rank), in order: forget released handles and
 their requests; take the handles it defines; a peer orders its host reads after rank 0's
-writes: on the host, generation ``host_seq`` (landings' CPU-complete writes) and, when rank 0
+writes: on the host, generation ``host_seq`` (rank 0's latest reported) and, when rank 0
 wrote the host in the command before (backups or spills), that step by number
 (``HostPool.wait_step``: the step ring, then its stream waits on the step's IPC event, which
 covers every copy rank 0 enqueued in that step and before); apply block-table diffs; enqueue page
@@ -290,8 +290,8 @@ class HiSparseWorker:
 
     def _order_after_rank_0(self, cmd: StepCommand) -> None:
         """(peer) Order this command's host reads after rank 0's writes. On the host: generation
-        ``host_seq`` (rank 0's latest reported; its landings' writes are in host memory when they
-        publish, so the counter's acquire is all they need). On the GPU: when rank 0 wrote the
+        ``host_seq`` (rank 0's latest reported; a landing's writes are in host memory before its
+        ``complete_landing`` returns, so they need no event). On the GPU: when rank 0 wrote the
         host in the command before (K: backups or spills, which every rank sees), step K by
         number (``HostPool.wait_step``: the step ring, then the current stream waits on step K's
         IPC event; the copy stream waits on the current stream before each batch of copies).
