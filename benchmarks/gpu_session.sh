@@ -24,6 +24,9 @@
 #       (fill it once here: pip download -q 'msgspec>=0.19' --no-deps --only-binary :all:
 #        --python-version 3.12 --platform manylinux2014_x86_64 -d .device-wheels/wire; msgspec is
 #        a main dependency since #16 B3: every actor run on the H200 needs it, fast_gpu.sh actors too)
+#   or, IPC events by step (~3 min; call 2 carries .device-wheels/nixl AND .device-wheels/wire): the
+#       host pool's gpu tests (events, IPC between actors) and the TP 2 e2e tests on one GPU:
+#       bash benchmarks/gpu_session.sh stepevents
 # (each of these fits one device call of <= 600 s; the machine stays warm 30 s between calls)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -35,7 +38,7 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|b23|landing-auto|landing-pwp|final|check|serve)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|b23|stepevents|landing-auto|landing-pwp|final|check|serve)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -160,6 +163,12 @@ case "${1:-run}" in
         timeout 50 python3 benchmarks/bench_control_plane.py --only control --probes 200 \
           --out "$OUT/control_plane_b23.json" > "$OUT/control_plane_b23.log" 2>&1
         grep -E "$keep|^stages" "$OUT/control_plane_b23.log" | tail -7
+        exit 0 ;;
+      stepevents)  # ~3 min: IPC events indexed by step (host pool, actors, TP 2 on one GPU)
+        timeout 280 python3 -m pytest -q -p no:cacheprovider -rA -m "gpu and not two_gpus" \
+          tests/host/test_gpu_pool.py tests/host/test_ray.py tests/host/test_step_events.py \
+          tests/e2e/test_gpu.py 2>&1 | tee "$OUT/stepevents_tests.log" \
+          | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error" | tail -20
         exit 0 ;;
       control)  # ~3 min: the wire bench and the actor system's control plane
         timeout 60 python3 benchmarks/bench_wire.py --out "$OUT/wire.json" 2>&1 | tail -9
