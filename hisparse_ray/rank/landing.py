@@ -47,8 +47,13 @@ class HostWriter(Protocol):
 
 class RankLanding:
     """One decode rank's landings. ``take_notifications()`` drains the rank's transfer agent:
-    ``[(sender, message)]``. ``lock`` is the rank's executor lock: every copy into the host pool or
-    a key cache runs under it, so between two decode steps, never inside one. Rank 0 passes the
+    ``[(sender, message)]``. ``lock`` is the rank's executor lock: the host pool's publishes and
+    every write into a key cache run under it, so between two decode steps, never inside one.
+    Rank 0's staging -> host copies do not: they write host blocks leased to the landing request,
+    which no step reads before the request decodes, on a landing stream of their own (CUDA) that
+    is synchronized alone before the publish, so decode steps go on while a long prompt lands
+    (a device-wide synchronize under the lock used to wait for the steps in flight and hold the
+    step thread out). Rank 0 passes the
     host ``pool`` it writes and its GPU ``staging`` layers (``[staging rows, row_bytes]`` uint8
     each); every rank with key staging passes ``key_staging`` (``[L, staging rows, key_row_bytes]``
     uint8, indexed like the staging blocks).
@@ -65,6 +70,7 @@ class RankLanding:
         self._take = take_notifications
         self.keys, self.lock, self.pool = keys, lock, pool
         self.staging, self.key_staging = list(staging), key_staging
+        self._streams: dict[int, Any] = {}  # landing thread id -> its CUDA copy stream
         self._notif_lock = threading.Lock()
         self._notifs: set[bytes] = set()
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -109,13 +115,27 @@ class RankLanding:
                             num_positions)
         layers = range(len(self.staging)) if layers is None else layers
         t0 = time.perf_counter()
-        with self.lock:
-            try:  # synchronous: the bytes are in host memory before the request may decode
-                copy_runs([self.staging[l] for l in layers],
-                          [self.pool.layer(l) for l in layers], runs)
-            finally:
+        try:  # synchronous: the bytes are in host memory before the request may decode
+            copy_runs([self.staging[l] for l in layers], [self.pool.layer(l) for l in layers],
+                      runs, stream=self._stream())
+        finally:
+            with self.lock:  # the counter is rank 0's, bumped by its steps too
                 self.pool.publish()
         return time.perf_counter() - t0
+
+    def _stream(self) -> Any:
+        """The calling landing thread's CUDA copy stream (None for host staging): landings of
+        different chunks run at once, each synchronizes only its own copies."""
+        if not self.staging or not getattr(self.staging[0], "is_cuda", False):
+            return None
+        import torch
+
+        tid = threading.get_ident()
+        with self._notif_lock:
+            stream = self._streams.get(tid)
+            if stream is None:
+                stream = self._streams[tid] = torch.cuda.Stream(self.staging[0].device)
+        return stream
 
     def complete(self, step: RankLandingStep, index_keys: Any = None) -> float:
         """This rank's part of one landing chunk (see :class:`~hisparse_ray.types.RankLandingStep`):
@@ -173,19 +193,36 @@ class RankLanding:
 
 
 def copy_runs(src_layers: Sequence[Any], dst_layers: Sequence[Any],
-              runs: Sequence[tuple[int, int, int]], *, max_memcpys: int = 4) -> None:
+              runs: Sequence[tuple[int, int, int]], *, max_memcpys: int = 4,
+              stream: Any = None) -> None:
     """``dst_layers[l][d:d + n] = src_layers[l][s:s + n]`` for every run and layer (torch 2-D
     ``[rows, row_bytes]`` tensors; sources may sit on a GPU, destinations on the host). Up to
     ``max_memcpys`` runs: one copy per run and layer. More: per layer one copy of the spanned
     source rows to the destination device and one ``index_copy_`` scatter. Synchronous (returns
-    after every copy finished)."""
+    after every copy finished). On CUDA the copies run on ``stream`` (None: the current one),
+    which alone is synchronized: work on other streams (decode steps) neither waits nor is
+    waited for; the sources must be complete when called (NIXL writes, announced)."""
     import torch
 
     if not runs:
         return
+    cuda = bool(src_layers) and getattr(src_layers[0], "is_cuda", False)
+    if not cuda:
+        _copy_runs(src_layers, dst_layers, runs, max_memcpys)
+        return
+    stream = torch.cuda.current_stream(src_layers[0].device) if stream is None else stream
+    with torch.cuda.stream(stream):
+        _copy_runs(src_layers, dst_layers, runs, max_memcpys)
+    stream.synchronize()
+
+
+def _copy_runs(src_layers: Sequence[Any], dst_layers: Sequence[Any],
+               runs: Sequence[tuple[int, int, int]], max_memcpys: int) -> None:
+    import torch
+
     if len(runs) <= max_memcpys:
-        # asynchronous copies, one synchronize below: no per-layer stall between DMA copies
-        # (safe for any destination: the synchronize precedes every reader)
+        # asynchronous copies, one synchronize after them (copy_runs): no per-layer stall
+        # between DMA copies (safe for any destination: the synchronize precedes every reader)
         for src, dst in zip(src_layers, dst_layers):
             for s, d, n in runs:
                 dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
@@ -200,5 +237,3 @@ def copy_runs(src_layers: Sequence[Any], dst_layers: Sequence[Any],
             if span.device != dst.device:
                 span = span.to(dst.device)
             dst.index_copy_(0, d_idx, span if dense else span.index_select(0, s_idx))
-    if src_layers and getattr(src_layers[0], "is_cuda", False):
-        torch.cuda.synchronize()
