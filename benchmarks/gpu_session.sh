@@ -167,7 +167,7 @@ case "${1:-run}" in
       stepevents)  # ~3 min: IPC events indexed by step (host pool, actors, TP 2 on one GPU)
         timeout 280 python3 -m pytest -q -p no:cacheprovider -rA -m "gpu and not two_gpus" \
           tests/host/test_gpu_pool.py tests/host/test_ray.py tests/host/test_step_events.py \
-          tests/e2e/test_gpu.py 2>&1 | tee "$OUT/stepevents_tests.log" \
+          tests/landing/test_landing_lock.py tests/e2e/test_gpu.py 2>&1 | tee "$OUT/stepevents_tests.log" \
           | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|Error" | tail -20
         exit 0 ;;
       control)  # ~3 min: the wire bench and the actor system's control plane
