@@ -57,6 +57,18 @@ def kv_row_bytes(kind: str, kv_lora_rank: int, rope_dim: int) -> int:
     return (kv_lora_rank + rope_dim) * (4 if kind == "fp32" else 2)
 
 
+def kv_rows_lossless(kv_cache_dtype: str, model_dtype: str) -> bool:
+    """Whether KV rows stored as ``kv_cache_dtype`` ("auto", "fp32", "bf16", "fp8") read back as
+    exactly the values a ``model_dtype`` ("float32", "bfloat16", torch's names) model computed:
+    fp32 rows, or bf16 rows of a bf16 model. Only then does a decode step (attending over the
+    stored rows) write bitwise the row a prefill of the same tokens (attending over its own
+    unrounded rows) computes, so only then may a page a decode step wrote be reused as a prefix
+    (``CoordinatorConfig.publish_decoded``)."""
+    if kv_cache_dtype == "auto":
+        return True
+    return kv_cache_dtype == "fp32" or (kv_cache_dtype == "bf16" and model_dtype == "bfloat16")
+
+
 def _int(key: str, value: Any, *, lo: int, allowed: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(key, value, f"must be an integer; {allowed}")
@@ -270,9 +282,11 @@ class CoordinatorConfig:
         to the host tier.
     publish_decoded: whether a page holding a row a decode step wrote (positions from the
         prompt's last on) may be published for prefix reuse. Only where decode writes bitwise the
-        row a prefill of the same tokens computes (the reference path); the fast step does not
-        (other kernels and batch shapes), and a follow-up reusing its rows would decode from
-        other KV than full-resident's fresh prefill. False: only prefill-written pages are reused.
+        row a prefill of the same tokens computes (the reference path with lossless KV rows,
+        ``kv_rows_lossless``); the fast step does not (other kernels and batch shapes), nor does
+        any path with fp8 rows (or bf16 rows of an fp32 model: decode attends over rounded rows,
+        a prefill over its own), and a follow-up reusing such rows would decode from other KV
+        than full-resident's fresh prefill. False: only prefill-written pages are reused.
     index_pages / index_page_tokens: a capped GPU index-key pool (the fast path's
         ``FastPathConfig.index_pages``; None: uncapped) of pages of ``index_page_tokens``
         positions. A request holds ``ceil((prompt + max_new) / index_page_tokens)`` of them from

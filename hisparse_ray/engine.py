@@ -22,7 +22,9 @@ import torch
 from hisparse_ray.checks import (
     check_bool, check_choice, check_int, check_optional_number, check_type,
 )
-from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout, hot_buffer_blocks
+from hisparse_ray.config import (
+    CoordinatorConfig, HiSparseConfig, KVLayout, hot_buffer_blocks, kv_rows_lossless,
+)
 from hisparse_ray.core.admission import validate_request
 from hisparse_ray.core.coordinator import Coordinator
 from hisparse_ray.errors import (
@@ -174,7 +176,8 @@ class Engine:
             device_buffer_size=c.hisparse.device_buffer_size, max_batch=c.max_batch,
             page_bytes=self.layout.block_bytes, row_bytes=self.layout.bytes_per_token,
             host_tier=not (c.full_resident and c.device_pool_gib is not None),
-            publish_decoded=c.fast_path is None,
+            publish_decoded=c.fast_path is None and kv_rows_lossless(
+                c.kv_cache_dtype, str(model.dtype).removeprefix("torch.")),
             index_pages=None if c.fast_path is None else c.fast_path.index_pages,
             index_page_tokens=INDEX_PAGE))
         self.pool = HostPool.create(f"engine{os.getpid()}-{next(_ids)}", self.layout, num_host)
