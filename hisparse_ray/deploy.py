@@ -20,9 +20,8 @@ from typing import Any
 from hisparse_ray.checks import (
     check_bool, check_choice, check_int, check_number, check_optional_number, check_str, check_type,
 )
-from hisparse_ray.config import (
-    CoordinatorConfig, HiSparseConfig, KVLayout, kv_row_bytes, kv_rows_lossless,
-)
+from hisparse_ray.config import CoordinatorConfig, HiSparseConfig, KVLayout, kv_row_bytes
+from hisparse_ray.config import kv_rows_lossless
 from hisparse_ray.errors import ConfigError
 from hisparse_ray.option_values import (  # noqa: F401 - load_config, visible_gpus: public here
     check_kind, load_config, parse_value, resolve_gpus_per_rank, visible_gpus,
@@ -451,11 +450,10 @@ class ReplicaSpec:
     def core_config(self) -> CoordinatorConfig:
         """The pool sizing of this replica's coordinator core (ConfigError if the device pool
         cannot hold one hot buffer or the host pool one host block)."""
+        lossless = kv_rows_lossless(self.kv_cache_dtype, self.model.dtype)
         return CoordinatorConfig.from_hisparse(self.hisparse, self.layout, self.num_device_blocks,
                                                tp_size=self.tp_size, max_batch=self.max_batch,
-                                               publish_decoded=self.fast_path is None and
-                                               kv_rows_lossless(self.kv_cache_dtype,
-                                                                self.model.dtype))
+                                               publish_decoded=self.fast_path is None and lossless)
 
 
 @dataclass(frozen=True, slots=True)
