@@ -8,6 +8,11 @@ prefill -> decode landing GB/s, each against its baseline measured in the same r
 2. landing: host landing GB/s of the data path (NIXL WRITEs until DONE + the staging copy into
    the host pool) for the direct and the staged path, against a plain ``torch`` copy of the same
    bytes in this process; also with the Ray orchestration calls (notification wait, key install).
+3. decode during a landing (``--decode-during N``): the step time of N running requests while a
+   prompt lands (staged path), against their steps with no landing in flight, same run: what a
+   landing costs the requests already decoding (rank 0's staging -> host copy runs outside the
+   executor lock on a landing stream since 2026-12-05; before, a device-wide synchronize under
+   the lock held the steps out).
 
 Usage: ``python benchmarks/bench_control_plane.py [--probes 2000] [--tokens 2048 8192]
 [--page-size 8] [--staging-blocks 256] [--model landing] [--paths staged]``. ``--model landing``
@@ -201,6 +206,72 @@ def bench_landing(rep, tokens: int, repeats: int, paths: list[str], kv_bytes_per
     return out
 
 
+def _stats_ms(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median_ms": statistics.median(xs) * 1e3 if xs else float("nan"),
+            "p90_ms": xs[max(0, -(-9 * len(xs) // 10) - 1)] * 1e3 if xs else float("nan"),
+            "n": len(xs)}
+
+
+def bench_decode_during_landing(rep, tokens: int, decoders: int, repeats: int,
+                                new_tokens: int, settle_s: float = 1.0) -> dict:
+    """Step intervals (consecutive step starts: the running requests' time per token) and step
+    round trips of ``decoders`` host-tier requests while ``repeats`` prompts of ``tokens`` tokens
+    land one after another on the staged path, against the same requests' steps before, between
+    and after the landings (no landing in flight), from the coordinator's step trace and the
+    landers' traces (one host clock). A step counts as during a landing when it starts between
+    the landing's first calls and its end."""
+    coord = rep.coordinator
+    rng = random.Random(f"during-{tokens}")
+    rids = [f"during-{tokens}-{i}" for i in range(decoders)]
+    for rid in rids:  # meant to outlive every landing; aborted at the end
+        ray.get(coord.submit.remote(rid, [rng.randrange(1, 96) for _ in range(64)], new_tokens,
+                                    None, 1))
+    deadline = time.monotonic() + 600
+    while not all(ray.get(coord.progress.remote()).get(r, (0,))[0] > 1 for r in rids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"decoders {rids} did not start decoding in 600 s")
+        time.sleep(0.05)
+    time.sleep(settle_s)
+    landed = []
+    for i in range(repeats):
+        rid = f"during-land-{tokens}-{i}"
+        ray.get(coord.submit.remote(rid, [rng.randrange(1, 96) for _ in range(tokens)], 1,
+                                    None, 1))
+        (row,) = ray.get(coord.wait.remote([rid], 900))
+        assert row["error"] is None, row
+        landed.append(rid)
+        print(f"  [{time.strftime('%H:%M:%S')}] landed {tokens} tokens beside {decoders} "
+              f"decoding requests in {row['landing_s'] * 1e3:.1f} ms", flush=True)
+        time.sleep(settle_s)
+    finished = [r for r in rids if ray.get(coord.progress.remote())[r][2]]
+    if finished:
+        print(f"  warning: {finished} finished before the last landing ended: raise "
+              f"--decode-during-tokens (steps during the landings are undercounted)", flush=True)
+    for rid in rids:
+        ray.get(coord.abort.remote(rid))
+    ray.get(coord.wait.remote(rids, 120))
+    windows = [(t[2], t[3]) for t in ray.get(coord.get_landing_trace.remote())
+               if t[0] in landed]  # (first calls issued, landing done)
+    trace = sorted(ray.get(coord.get_step_trace.remote()), key=lambda t: t[0])
+    t_start = min(w[0] for w in windows) - settle_s
+    during: dict[str, list[float]] = {"interval": [], "round_trip": []}
+    outside: dict[str, list[float]] = {"interval": [], "round_trip": []}
+    for prev, cur in zip(trace, trace[1:]):
+        if cur[1] < t_start:
+            continue
+        side = during if any(lo <= cur[1] <= hi for lo, hi in windows) else outside
+        side["interval"].append(cur[1] - prev[1])
+        side["round_trip"].append(max(cur[4]) - cur[1])
+    out = {"tokens": tokens, "decoders": decoders, "landings": len(landed),
+           "finished_early": finished,
+           "during": {k: _stats_ms(v) for k, v in during.items()},
+           "outside": {k: _stats_ms(v) for k, v in outside.items()}}
+    out["interval_ratio"] = (out["during"]["interval"]["median_ms"]
+                             / out["outside"]["interval"]["median_ms"])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--probes", type=int, default=2000)
@@ -232,6 +303,11 @@ def main() -> int:
                     help="ReplicaSpec.landing_push_with_prefill (bare flag: always): one-chunk "
                          "landings push in the prefill call (e2e then counts from the worker's "
                          "prefill end); auto only while the staging pool keeps room for another")
+    ap.add_argument("--decode-during", type=int, default=0, metavar="N",
+                    help="also time the steps of N decoding requests while each --tokens "
+                         "prompt lands (staged), against their steps with no landing in flight")
+    ap.add_argument("--decode-during-tokens", type=int, default=1024,
+                    help="max_new_tokens of those requests (they must outlive the landings)")
     ap.add_argument("--out", default="benchmarks/results/control_plane.json")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -246,6 +322,8 @@ def main() -> int:
         per_token = model.kv_layout(args.page_size).bytes_per_token
         kv_bytes = max_tokens * per_token
         # every landing of the largest size fits at once (no eviction inside a measurement)
+        # (and the --decode-during requests' whole lives beside them)
+        kv_bytes += args.decode_during * (64 + args.decode_during_tokens) * per_token
         hisparse = dataclasses.replace(ReplicaSpec().hisparse,
                                        host_pool_gib=max(0.01, 2.2 * kv_bytes / 2**30))
         # 256 device rows whatever the page size: the landing prompts go to the host tier
@@ -275,6 +353,10 @@ def main() -> int:
                  or t <= args.direct_max_tokens], per_token,
                 dict(zip(("direct", "staged"), workers)))
                 for t in args.tokens} if args.only != "control" else {}
+            during = {str(t): bench_decode_during_landing(rep, t, args.decode_during,
+                                                          max(1, args.repeats),
+                                                          args.decode_during_tokens)
+                      for t in args.tokens} if args.decode_during else {}
             pushed_with_prefill = ray.get(rep.coordinator.metrics.remote())["pushes_with_prefill"]
             if land:
                 print(f"  landings pushed inside the prefill call, per prefill worker: "
@@ -292,11 +374,13 @@ def main() -> int:
               "push_with_prefill": args.push_with_prefill,
               "pushes_with_prefill": pushed_with_prefill,
               "kv_bytes_per_token": per_token,
-              "control_plane": cp, "landing": land}
+              "control_plane": cp, "landing": land, "decode_during_landing": during}
     if cp:
         _print_control(cp, result["machine"])
     for t, per_path in land.items():
         _print_landing(per_path, int(t), args.page_size, args.staging_blocks)
+    for t, d in during.items():
+        _print_during(d)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
@@ -329,6 +413,19 @@ def _print_landing(land: dict, tokens: int, page_size: int, staging_blocks: int)
         print(f"{k:<8} {v['kv_bytes'] / 1e6:>9.1f} {v['moved_bytes'] / 1e6:>9.1f} "
               f"{v['e2e_GBps']:>9.2f} {v['e2e_GBps'] / base['GBps']:>7.2f}x "
               f"{v['data_path_GBps']:>10.2f}")
+
+
+def _print_during(d: dict) -> None:
+    print(f"\ndecode during landings ({d['decoders']} decoding requests, {d['landings']} "
+          f"landings of {d['tokens']} tokens, staged):")
+    print(f"{'steps':<9} {'interval ms':>12} {'p90':>8} {'round trip ms':>14} {'p90':>8} "
+          f"{'n':>5}")
+    for side in ("outside", "during"):
+        v = d[side]
+        print(f"{side:<9} {v['interval']['median_ms']:>12.2f} {v['interval']['p90_ms']:>8.2f} "
+              f"{v['round_trip']['median_ms']:>14.2f} {v['round_trip']['p90_ms']:>8.2f} "
+              f"{v['interval']['n']:>5}")
+    print(f"step interval during / outside a landing: {d['interval_ratio']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@
 #       (fill it once here: pip download -q 'msgspec>=0.19' --no-deps --only-binary :all:
 #        --python-version 3.12 --platform manylinux2014_x86_64 -d .device-wheels/wire; msgspec is
 #        a main dependency since #16 B3: every actor run on the H200 needs it, fast_gpu.sh actors too)
+#   or, decode steps of running requests while 128K prompts land (~4 min; call 2 carries
+#       .device-wheels/nixl AND .device-wheels/wire):  bash benchmarks/gpu_session.sh landing-decode
 #   or, IPC events by step (~3 min; call 2 carries .device-wheels/nixl AND .device-wheels/wire): the
 #       host pool's gpu tests (events, IPC between actors) and the TP 2 e2e tests on one GPU:
 #       bash benchmarks/gpu_session.sh stepevents
@@ -38,7 +40,7 @@ case "${1:-run}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/ray/*.whl
     python3 -c "import sys; sys.path.insert(0,'/tmp/site'); import ray; print('ray', ray.__version__)"
     ;;
-  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|b23|stepevents|landing-auto|landing-pwp|final|check|serve)
+  run|actors|landing|landing-big|control|two-gpu|tp-bench|profile|landing-phases|b23|stepevents|landing-decode|landing-auto|landing-pwp|final|check|serve)
     mode=$1
     shift
     if [ -d .device-wheels/nixl ]; then
@@ -73,6 +75,11 @@ case "${1:-run}" in
           land "landing_big_g$g" 150 --tokens 65536 131072 --staging-blocks 2048 --repeats 2 \
             --synthetic-prefill --layer-groups "$g"
         done
+        exit 0 ;;
+      landing-decode)  # ~4 min: step interval of 2 decoding requests during / outside landings
+        land landing_decode 300 --tokens 131072 --staging-blocks 2048 --repeats 2 \
+          --synthetic-prefill --decode-during 2 --decode-during-tokens 4096
+        grep -A5 "^decode during" "$OUT/landing_decode.log"
         exit 0 ;;
       two-gpu)  # ~6 min: every two_gpus test and its one-GPU twin, then the demo across 2 GPUs
         nvidia-smi topo -m | head -4
