@@ -1,8 +1,9 @@
 """General-case sweep 4 (``benchmarks/sweep4.py``): the actor system (real Ray + NIXL on CPU,
 prefill workers landing prompts while other requests decode) equals the full-resident engine on
 random replicas and request scripts, and every block comes back. 130 random cases
-(2026-12-05; 20 on the fast step) found no difference, hang or leak; bf16 weights at TP 2 are not compared (their
-tokens differ from TP 1's: the all-reduce order, docs/architecture.md "TP layouts").
+(2026-12-05; 20 on the fast step) found no difference, hang or leak; bf16 weights at TP 2 are
+not compared (their tokens differ from TP 1's: the all-reduce order, docs/architecture.md "TP
+layouts").
 
 Three of its configurations, each a script of submits (some while earlier requests decode, so
 landings overlap steps), waits for a number of tokens, aborts (while landing and mid-decode),
