@@ -133,7 +133,8 @@ def _settled(co, timeout=60.0):
 def run_case(seed: int, verbose: bool = True):
     """Run one case; returns (ok, description, detail)."""
     spec, n_prefill, script = make_case(seed)
-    desc = (f"seed={seed} {'fast ' if spec.fast_path else ''}tp={spec.tp_size} la={int(spec.lookahead)} kv={spec.kv_cache_dtype} "
+    desc = (f"seed={seed} {'fast ' if spec.fast_path else ''}tp={spec.tp_size} "
+            f"la={int(spec.lookahead)} kv={spec.kv_cache_dtype} "
             f"dt={spec.model.dtype[:2]} {spec.model.kind[:4]} page={spec.page_size} "
             f"hot={spec.hisparse.device_buffer_size} dev={spec.num_device_blocks} "
             f"stg={spec.staging_blocks} mb={spec.max_batch} pf={n_prefill} "
