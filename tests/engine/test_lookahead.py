@@ -17,6 +17,7 @@ import torch
 
 from hisparse_ray.engine import Engine, EngineConfig
 from hisparse_ray.errors import ConfigError, StateError
+from hisparse_ray.testing.engine_drive import drive
 from hisparse_ray.types import BatchRow, RequestState, SamplingParams, StepCommand
 from tests.fastpath.test_engine_fast import H, ONE, dense, prompts_of  # noqa: F401 (a fixture)
 
@@ -42,16 +43,7 @@ def run(model, requests, cfg, *, between=None, sampling=None):
         for i, (p, n, eos) in enumerate(requests):
             eng.add_request(f"r{i}", p, n, eos_token_id=eos,
                             sampling=(sampling or {}).get(i))
-        k = 0
-        while not eng.done:
-            if between is not None:
-                between(eng, k)
-            progressed = eng.step()
-            assert progressed or eng.done, "no progress"
-            eng.core.check_invariants()
-            k += 1
-        while eng.step():  # drain the releases
-            eng.core.check_invariants()
+        drive(eng, between)
         out = {r: eng.result(r) for r in eng._known}
         reasons = {r: eng.core.view(r).finish_reason for r in eng._known}
         counters = eng.core.counters
@@ -152,15 +144,7 @@ def test_aborts_and_arrivals_at_random_steps(dense, path):
             for i in range(4):
                 p, n, _ = reqs[i]
                 eng.add_request(f"r{i}", p, n)
-            k = 0
-            while not eng.done or len(eng._known) < len(reqs):
-                between(eng, k)
-                eng.step()
-                eng.core.check_invariants()
-                k += 1
-                assert k < 500
-            while eng.step():
-                pass
+            drive(eng, between, pending=lambda eng=eng: len(eng._known) < len(reqs))
             for rid in eng._known:
                 got = eng.result(rid)
                 if rid in aborted:

@@ -27,6 +27,7 @@ from hisparse_ray.engine import Engine, EngineConfig
 from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.model.config import tiny_config
 from hisparse_ray.model.model import build_random_model
+from hisparse_ray.testing.engine_drive import drive
 from hisparse_ray.types import RequestState, SamplingParams
 
 DONE = (RequestState.FINISHED, RequestState.RELEASED)
@@ -215,15 +216,7 @@ def _drive(model, cfg: EngineConfig, case: Sweep, eos: dict) -> dict:
                     prompts[i] = fresh[i]
                 eng.add_request(f"r{i}", prompts[i], r.max_new, sampling=r.sampling,
                                 eos_token_id=eos.get(i))
-        step = 0
-        while len(prompts) < len(case.reqs) or not eng.done:
-            add_due(step)
-            eng.step()
-            eng.core.check_invariants()
-            step += 1
-            assert step < 500
-        while eng.step():
-            pass
+        drive(eng, lambda eng, k: add_due(k), pending=lambda: len(prompts) < len(case.reqs))
         tokens = {i: eng.result(f"r{i}") for i in prompts}
         reasons = {i: eng.core.view(f"r{i}").finish_reason for i in prompts}
         c = eng.core.counters
