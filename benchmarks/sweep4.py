@@ -32,6 +32,7 @@ from hisparse_ray.config import HiSparseConfig, hot_buffer_blocks  # noqa: E402
 from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec  # noqa: E402
 from hisparse_ray.fastpath.config import FastPathConfig  # noqa: E402
 from hisparse_ray.testing.full_resident import replica_baseline  # noqa: E402
+from hisparse_ray.testing.replica_waits import settled, wait_tokens  # noqa: E402
 
 TIMEOUT = 120.0
 FAST = os.environ.get("SWEEP4_FAST") == "1"  # every case on the fast step (FastPathConfig)
@@ -108,28 +109,6 @@ def make_case(seed: int):
     return spec, n_prefill, script
 
 
-def _wait_tokens(co, rid, n, deadline):
-    while True:
-        got, _, fin = ray.get(co.progress.remote(), timeout=30)[rid]
-        if got >= n or fin:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{rid} has {got} < {n} tokens")
-        time.sleep(0.01)
-
-
-def _settled(co, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        m = ray.get(co.metrics.remote(), timeout=30)
-        c = m["counters"]
-        if (c["device_blocks_used"], c["host_blocks_used"], c["running"], c["waiting"]) == (0,) * 4:
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"blocks not back: {c}")
-        time.sleep(0.1)
-
-
 def run_case(seed: int, verbose: bool = True):
     """Run one case; returns (ok, description, detail)."""
     spec, n_prefill, script = make_case(seed)
@@ -174,14 +153,14 @@ def run_case(seed: int, verbose: bool = True):
                     eos_of[rid] = base[eos_pick]
                 ray.get(co.submit.remote(rid, prompt, max_new, eos_of[rid], pf), timeout=30)
             elif op == "tokens":
-                _wait_tokens(co, rid, item[2], deadline)
+                wait_tokens(co, rid, item[2], deadline)
             elif op == "abort":
                 aborted[rid] = ray.get(co.abort.remote(rid), timeout=30)
             elif op == "done":
                 ray.get(co.wait.remote([rid], TIMEOUT), timeout=TIMEOUT + 5)
         for s in ray.get(co.wait.remote(list(prompts), TIMEOUT), timeout=TIMEOUT + 5):
             rows[s["request_id"]] = s
-        m = _settled(co)
+        m = settled(co)
         stats = ray.get([r.stats.remote() for r in rep.ranks], timeout=30)
     finally:
         rep.shutdown()

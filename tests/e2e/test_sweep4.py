@@ -29,6 +29,7 @@ from hisparse_ray.actors import launch
 from hisparse_ray.config import HiSparseConfig, hot_buffer_blocks
 from hisparse_ray.deploy import ModelSpec, PrefillSpec, ReplicaSpec
 from hisparse_ray.testing.full_resident import replica_baseline
+from hisparse_ray.testing.replica_waits import settled, wait_tokens
 
 pytestmark = [pytest.mark.ray, pytest.mark.nixl, pytest.mark.slow]
 
@@ -85,27 +86,6 @@ def _cases():
 CASES = _cases()
 
 
-def _wait_tokens(co, rid, n):
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        got, _, done = ray.get(co.progress.remote(), timeout=30)[rid]
-        if got >= n or done:
-            return
-        assert time.monotonic() < deadline, f"{rid}: {got} < {n} tokens"
-        time.sleep(0.01)
-
-
-def _settled(co, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        m = ray.get(co.metrics.remote(), timeout=30)
-        c = m["counters"]
-        if (c["device_blocks_used"], c["host_blocks_used"], c["running"], c["waiting"]) == (0,) * 4:
-            return m
-        assert time.monotonic() < deadline, f"blocks not back: {c}"
-        time.sleep(0.1)
-
-
 def _run(spec, n_prefill, script):
     """Play ``script`` on a fresh replica: (prompts, max_new_tokens, eos by id, aborted answers,
     summaries, settled metrics, rank stats). "settled" waits until no block is in use; a
@@ -131,16 +111,16 @@ def _run(spec, n_prefill, script):
                     replica_baseline(spec, [prompt], max_new, [rid])[rid][eos_pick]
                 ray.get(co.submit.remote(rid, prompt, max_new, eos_of[rid], pf), timeout=30)
             elif op == "tokens":
-                _wait_tokens(co, rid, item[2])
+                wait_tokens(co, rid, item[2], time.monotonic() + TIMEOUT)
             elif op == "abort":
                 aborted[rid] = ray.get(co.abort.remote(rid), timeout=30)
             elif op == "settled":
-                _settled(co)
+                settled(co)
             else:
                 ray.get(co.wait.remote([rid], TIMEOUT), timeout=TIMEOUT + 5)
         rows = {s["request_id"]: s
                 for s in ray.get(co.wait.remote(list(prompts), TIMEOUT), timeout=TIMEOUT + 5)}
-        metrics = _settled(co)
+        metrics = settled(co)
         stats = ray.get([r.stats.remote() for r in rep.ranks], timeout=30)
     finally:
         rep.shutdown()
