@@ -3,6 +3,7 @@ achieved GB/s on misses and the ratio to the floor (miss bytes / pinned H2D band
 the same run; for 0 % miss, an empty kernel's launch). Writes a Parquet file and prints a table.
 
     python benchmarks/bench_resolver.py [--out bench_resolver.parquet] [--quick]
+    python benchmarks/bench_resolver.py --clusters [--out clusters.parquet]  # phase A per cluster size
 
 Timing: each call is captured in a CUDA graph ITERS times with a different top-k per call (so
 host rows are not re-read from L2); with misses, each call is preceded by a restore of the slot
@@ -73,9 +74,11 @@ def launch_floor_us() -> float:
 class Bench:
     """One (H, row_bytes, batch) state; top-k sets for each miss rate."""
 
-    def __init__(self, h: int, rb: int, batch: int, pool: torch.Tensor, threads: int):
+    def __init__(self, h: int, rb: int, batch: int, pool: torch.Tensor, threads: int,
+                 cluster: int | str = 1):
         dev = "cuda"
         self.h, self.rb, self.batch, self.threads = h, rb, batch, threads
+        self.cluster = cluster
         self.host = pool[: (pool.numel() // rb) * rb].view(-1, rb)
         host_blocks = self.host.shape[0] // PAGE
         pages = SEQ // PAGE
@@ -127,7 +130,7 @@ class Bench:
                 kcuda.resolve(tks[i], self.seq_lens, self.state_idx, self.slot_pos, self.lru,
                               self.slot_rows, self.resident, self.host_table, self.host,
                               self.device_kv, self.out, self.plan, page_size=PAGE,
-                              block_threads=self.threads)
+                              block_threads=self.threads, cluster=self.cluster)
 
         def restores():
             for _ in range(ITERS):
@@ -214,6 +217,37 @@ def profile(pool: torch.Tensor, threads: int) -> None:
     K = k0
 
 
+def cluster_sweep(pool: torch.Tensor, out: str) -> None:
+    """Phase A spread over a thread-block cluster (``kcuda.cluster_size``) against one block a
+    row, same process: us per resolve call and the ratio to cluster 1 at the same shape."""
+    rows = []
+    for batch in (1, 4, 16, 64):
+        for threads in (1024, 512, 256):
+            bench = Bench(4096, 1152, batch, pool, threads)
+            for miss in (0.0, 0.6):  # 0.6: a 40 % consecutive-step overlap, every overlap a hit
+                for cluster in (1, 2, 4, 8, "auto"):
+                    bench.cluster = cluster
+                    rows.append(dict(batch=batch, miss=miss, cluster=str(cluster),
+                                     size=kcuda.cluster_size(cluster, batch, 0), threads=threads,
+                                     us=bench.run(miss), H=4096, row_bytes=1152))
+        for r in rows:
+            if r["batch"] == batch:
+                r["vs_block"] = r["us"] / next(
+                    q["us"] for q in rows if q["batch"] == batch and q["miss"] == r["miss"]
+                    and q["cluster"] == "1" and q["threads"] == 1024)
+    print("phase A per cluster size (H 4096, K 2048, 1152 B rows; vs_block: / cluster 1 at "
+          "1024 threads, same run)")
+    print(f"{'batch':>5} {'miss':>5} {'cluster':>7} {'size':>4} {'threads':>7} {'us':>8} {'vs_block':>8}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['miss']:5.1f} {r['cluster']:>7} {r['size']:4d} {r['threads']:7d} "
+              f"{r['us']:8.1f} {r['vs_block']:8.2f}")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_resolver.parquet")
@@ -222,6 +256,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1024)
     ap.add_argument("--thp", action="store_true", help="also time a transparent-huge-page pool")
     ap.add_argument("--profile", action="store_true", help="kernel durations only, then exit")
+    ap.add_argument("--clusters", action="store_true",
+                    help="phase A per thread-block cluster size only, then exit")
     args = ap.parse_args()
     pool = torch.empty(int(args.pool_gib * (1 << 30)), dtype=torch.uint8, pin_memory=True)
     pool.fill_(0x5A)
@@ -231,6 +267,9 @@ def main() -> None:
           f"empty-kernel launch in a graph {floor_launch:.2f} us  pool {args.pool_gib} GiB")
     if args.profile:
         profile(pool, args.threads)
+        return
+    if args.clusters:
+        cluster_sweep(pool, args.out)
         return
     rows = []
     sweep = {}

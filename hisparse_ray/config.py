@@ -367,3 +367,15 @@ def env_flag(name: str, default: bool = False) -> bool:
     if raw is None:
         return default
     return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Read an environment switch that takes one of ``choices`` (``ConfigError`` names a bad
+    value)."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ConfigError(name, raw, f"must be one of {', '.join(choices)}")
+    return value

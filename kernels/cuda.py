@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from hisparse_ray.config import env_flag
+from hisparse_ray.config import env_choice, env_flag
 from hisparse_ray.kernels._contract import (
     DEFAULT_BLOCK_THREADS,
     _fail,
@@ -46,20 +46,79 @@ def _module(device_index: int):
     return _build(device_index, _DEFINES)
 
 
+SOURCES = ("resolver.cu", "resolver_cluster.cu")  # one module: the second uses the first's helpers
+
+
+def source() -> str:
+    """The resolver module's CUDA source (:data:`SOURCES` in order)."""
+    d = importlib.resources.files("hisparse_ray.kernels.csrc")
+    return "\n".join(d.joinpath(name).read_text() for name in SOURCES)
+
+
 @functools.cache
-def _build(device_index: int, defines: tuple[str, ...]):
+def _raw_module(device_index: int, defines: tuple[str, ...]):
     import cupy
 
-    src = importlib.resources.files("hisparse_ray.kernels.csrc").joinpath("resolver.cu").read_text()
+    src = source()
     with cupy.cuda.Device(device_index):
-        mod = cupy.RawModule(code=src, options=("-std=c++17", *defines))
-        kernels = tuple(mod.get_function(n) for n in ("hs_resolve", "hs_copy_rows", "hs_copy_compact"))
-        for kern in kernels:  # one shared-memory carveout for all: no SM reconfiguration between them
-            try:
-                kern.preferred_shared_memory_carveout = 100
-            except (AttributeError, ValueError):
-                pass
-        return kernels
+        return cupy.RawModule(code=src, options=("-std=c++17", *defines))
+
+
+def _get(device_index: int, defines: tuple[str, ...], name: str):
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        kern = _raw_module(device_index, defines).get_function(name)
+        try:  # one shared-memory carveout for all: no SM reconfiguration between them
+            kern.preferred_shared_memory_carveout = 100
+        except (AttributeError, ValueError):
+            pass
+        return kern
+
+
+@functools.cache
+def _build(device_index: int, defines: tuple[str, ...]):
+    return tuple(_get(device_index, defines, n)
+                 for n in ("hs_resolve", "hs_copy_rows", "hs_copy_compact"))
+
+
+@functools.cache
+def _cluster_kernel(device_index: int, defines: tuple[str, ...], size: int):
+    return _get(device_index, defines, f"hs_resolve_c{size}")
+
+
+CLUSTER_SIZES = (1, 2, 4, 8)
+
+
+def cluster_size(requested: int | str | None, batch: int, device_index: int) -> int:
+    """Blocks per batch row in phase A: ``requested`` 1 / 2 / 4 / 8, or "auto" (the largest that
+    keeps the batch in one wave of the SMs; 1 below sm90); None reads
+    ``HISPARSE_RESOLVER_CLUSTER`` (default 1: one block a row, the measured kernel)."""
+    if requested is None:
+        requested = env_choice("HISPARSE_RESOLVER_CLUSTER", ("1", "2", "4", "8", "auto"), "1")
+    if requested != "auto":
+        if isinstance(requested, str) and requested.isdigit():
+            requested = int(requested)
+        if type(requested) is not int or requested not in CLUSTER_SIZES:
+            _fail(f"cluster={requested!r} must be one of {CLUSTER_SIZES} or 'auto'")
+    sm90 = torch.cuda.get_device_capability(device_index) >= (9, 0)
+    if requested == "auto":
+        if not sm90:
+            return 1
+        return next((c for c in (8, 4, 2) if batch * c <= _sm_count(device_index)), 1)
+    if requested > 1 and not sm90:
+        _fail(f"cluster={requested} needs thread-block clusters (sm90), device {device_index} is "
+              f"sm{''.join(map(str, torch.cuda.get_device_capability(device_index)))}")
+    return requested
+
+
+def _phase_a_smem(k: int, h: int, hash_bits: int, size: int) -> int:
+    """Dynamic shared memory of phase A in bytes (layouts in resolver.cu)."""
+    cap = 1 << hash_bits
+    if size == 1:
+        return 4 * (2 * cap + 5 * k + 3 * h + 65) + h
+    ks, hs = -(-k // size), -(-h // size)
+    return 4 * (2 * cap + 4 * k + ks + 3 * hs + 3 * size + 64) + 2 * hs
 
 
 @functools.cache
@@ -178,14 +237,16 @@ def resolve(
     page_size: int,
     block_threads: int = DEFAULT_BLOCK_THREADS,
     debug: bool | None = None,
+    cluster: int | str | None = None,
 ) -> None:
     """CUDA twin of :func:`hisparse_ray.kernels.reference.resolve` (same shapes and semantics).
 
     Two launches on torch's current stream: phase A (one block of ``block_threads`` per batch
-    row) classifies, updates slot_pos/lru and writes out_rows, the plan and a compact miss list;
-    phase B (one block per SM, 4 rows per warp) copies the listed rows from host_kv (pinned, UVA)
-    into device_kv and resets the per-device miss counter. When ``plan`` is None a scratch plan
-    is allocated on the current stream. Calls on one device must not overlap on two streams."""
+    row, or a cluster of ``cluster`` such blocks: :func:`cluster_size`) classifies, updates
+    slot_pos/lru and writes out_rows, the plan and a compact miss list; phase B (one block per
+    SM, 4 rows per warp) copies the listed rows from host_kv (pinned, UVA) into device_kv and
+    resets the per-device miss counter. When ``plan`` is None a scratch plan is allocated on the
+    current stream. Calls on one device must not overlap on two streams."""
     import numpy as np
 
     b, k, h = check_resolve_args(
@@ -211,14 +272,17 @@ def resolve(
     elif plan.data_ptr() % 8:
         _fail("plan must start at an 8-byte aligned address (one int2 store per entry)")
     idx = device.index if device.index is not None else torch.cuda.current_device()
+    size = cluster_size(cluster, b, idx)
     limit = _smem_limit(idx) - 64
     hash_bits = max(6, (4 * k - 1).bit_length())  # load <= 1/4 when it fits, else <= 1/2
-    if 4 * (2 * (1 << hash_bits) + 5 * k + 3 * h + 65) + h > limit:
+    if _phase_a_smem(k, h, hash_bits, size) > limit:
         hash_bits = max(6, (2 * k - 1).bit_length())
-    smem = 4 * (2 * (1 << hash_bits) + 5 * k + 3 * h + 65) + h
+    smem = _phase_a_smem(k, h, hash_bits, size)
     if smem > limit:
         _fail(f"K={k}, H={h} need {smem} B of shared memory per block, the device allows {limit}")
     kernel_a, _, kernel_b = _module(idx)
+    if size > 1:
+        kernel_a = _cluster_kernel(idx, _DEFINES, size)
     counters = _miss_counters(idx)
     miss_list = torch.empty((b * k, 2), dtype=torch.int32, device=device)
     args = (
@@ -229,7 +293,7 @@ def resolve(
         _ptr(counters),
     )
     # nothing that can raise between the two launches: phase B resets the miss counter
-    _launch(kernel_a, (b,), (block_threads,), args, smem, device)
+    _launch(kernel_a, (b * size,), (block_threads,), args, smem, device)
     rb = int(device_kv.shape[1])
     args_b = (_ptr(miss_list), _ptr(counters), _ptr(host_kv), _ptr(device_kv), np.int64(rb),
               np.int32(_vec_width(rb, host_kv, device_kv)))

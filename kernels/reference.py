@@ -90,6 +90,7 @@ def resolve(
     page_size: int,
     block_threads: int = DEFAULT_BLOCK_THREADS,
     debug: bool | None = None,
+    cluster: int | str | None = None,
 ) -> None:
     """Map each selected position to a device row, copying misses host -> device.
 
@@ -99,7 +100,8 @@ def resolve(
     host_kv [host_rows, R] uint8; device_kv [device_rows, R] uint8 (in place); out_rows [B, K]
     (out); plan [B, K, 2] (out, optional): (host_row, device_row) per miss copy, else (-1, -1).
     Requires K <= H. ``block_threads`` (CUDA threads per block) and ``debug`` are validated and
-    otherwise ignored here: the reference always checks the data preconditions.
+    otherwise ignored here: the reference always checks the data preconditions; ``cluster``
+    (the CUDA twin's blocks per row) is ignored.
     """
     b, k, h = check_resolve_args(
         top_k, seq_lens, state_idx, slot_pos, lru, slot_rows, resident_table, host_table,

@@ -1,6 +1,7 @@
 // Resolver kernels (ring 2): phase A `hs_resolve` (one block per batch row: classify, LRU, plan)
 // and phase B `hs_copy_rows` (many blocks: copy the planned rows, also used for replay and backup).
-// Compiled at run time by kernels/cuda.py with cupy.RawModule. Contract: docs/architecture.md,
+// Compiled at run time by kernels/cuda.py with cupy.RawModule (followed by resolver_cluster.cu, phase
+// A over thread-block clusters). Contract: docs/architecture.md,
 // "The resolver contract"; the twin is kernels/reference.py.
 
 #define FULL_MASK 0xffffffffu

@@ -26,13 +26,13 @@ def gpu_case(seed, **kw):
     return make_case(random.Random(seed), **kw).to("cuda", pin=True)
 
 
-def step_both(case_gpu, case_ref, block_threads):
+def step_both(case_gpu, case_ref, block_threads, cluster=1):
     outs = []
     for case, backend in ((case_gpu, "cuda"), (case_ref, "torch")):
         out = torch.full(case.top_k.shape, -7, dtype=torch.int32, device="cuda")
         plan = torch.full((*case.top_k.shape, 2), -7, dtype=torch.int32, device="cuda")
         resolve(*case.args(out, plan), page_size=case.page_size, block_threads=block_threads,
-                backend=backend)
+                backend=backend, cluster=cluster)
         outs.append((out, plan))
     torch.cuda.synchronize()
     (o1, p1), (o2, p2) = outs
@@ -55,10 +55,9 @@ SHAPES = [  # batch, K, H, row_bytes, page_size, block_threads, lens dtype, extr
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-K{}-H{}-R{}-T{}".format(*s[:4], s[5]))
-def test_resolve_matches_reference_over_steps(shape):
+def _over_steps(shape, cluster, seed_extra=""):
     batch, k, h, rb, ps, threads, lens_dtype, extra = shape
-    rng = random.Random(zlib.crc32(repr(shape).encode()))
+    rng = random.Random(zlib.crc32((repr(shape) + seed_extra).encode()))
     lens = [rng.choice([0, rng.randrange(1, h + 1), h + rng.randrange(1, extra + 2),
                         h + rng.randrange(1, extra + 2)]) for _ in range(batch)]
     lens[0] = h + extra
@@ -68,14 +67,51 @@ def test_resolve_matches_reference_over_steps(shape):
     ref = case.clone_state()
     copies = 0
     for _ in range(3):
-        copies += step_both(case, ref, threads)
+        copies += step_both(case, ref, threads, cluster)
         next_step(rng, case, overlap=0.45)
         ref.top_k, ref.seq_lens = case.top_k.clone(), case.seq_lens.clone()
         ref.write_newest()
     assert copies > 0 or h == 1
 
 
-def test_cuda_graph_capture_and_replay_match_eager():
+SHAPE_IDS = lambda s: "B{}-K{}-H{}-R{}-T{}".format(*s[:4], s[5])  # noqa: E731
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_resolve_matches_reference_over_steps(shape):
+    _over_steps(shape, 1)
+
+
+@pytest.mark.parametrize("cluster", [2, 4, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_cluster_phase_a_matches_reference_over_steps(shape, cluster):
+    """Phase A over a thread-block cluster (sm90): slices of the top-k and of the hot slots per
+    block, hits claimed across blocks, victims handed to the block owning each miss."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread-block clusters need sm90")
+    _over_steps(shape, cluster)
+
+
+def test_cluster_phase_a_random_shapes():
+    """Many random small shapes (K and H not multiples of the cluster, rows of every path in
+    one batch, slots mostly hits or mostly misses), every cluster size, each against the
+    reference: a cross-block ordering bug shows up as one differing entry."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread-block clusters need sm90")
+    rng = random.Random(20261205)
+    for trial in range(24):
+        h = rng.randrange(1, 700)
+        k = rng.randrange(1, h + 1)
+        shape = (rng.randrange(1, 40), k, h, rng.choice([7, 16, 656]), rng.choice([1, 4, 16, 64]),
+                 rng.choice([64, 96, 128, 256, 1024]), rng.choice([torch.int32, torch.int64]),
+                 rng.randrange(1, 3 * h + 2))
+        _over_steps(shape, rng.choice([2, 4, 8, "auto"]), seed_extra=str(trial))
+
+
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_cuda_graph_capture_and_replay_match_eager(cluster):
+    if cluster > 1 and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread-block clusters need sm90")
     case = gpu_case(7, batch=8, k=256, h=1024, seq_lens=[1500] * 7 + [0], page_size=64,
                     row_bytes=656, host_blocks=256)
     ref = case.clone_state()
@@ -85,11 +121,11 @@ def test_cuda_graph_capture_and_replay_match_eager():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up compiles the module outside the capture
-        resolve(*case.args(out, plan), page_size=64, backend="cuda")
+        resolve(*case.args(out, plan), page_size=64, backend="cuda", cluster=cluster)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        resolve(*case.args(out, plan), page_size=64, backend="cuda")
+        resolve(*case.args(out, plan), page_size=64, backend="cuda", cluster=cluster)
     for t, s in ((case.slot_pos, start.slot_pos), (case.lru, start.lru), (case.device_kv, start.device_kv)):
         t.copy_(s)
     out.fill_(-7)
