@@ -206,8 +206,10 @@ class Experts(nn.Module):
     def _masked_kernel(self, x: Tensor) -> bool:
         from hisparse_ray.kernels import fp8_gemm
 
+        _, two_i, d = self.gate_up_proj.shape
         return x.dtype == torch.bfloat16 and fp8_gemm.supported(x.device) and (
-            self.fp8_block is not None or self.gate_up_proj.dtype == torch.bfloat16)
+            self.fp8_block is not None or self.gate_up_proj.dtype == torch.bfloat16) and (
+            fp8_gemm.masked_shapes_ok(d, two_i) and fp8_gemm.masked_shapes_ok(two_i // 2, d))
 
     def _grouped_masked(self, x: Tensor, weights: Tensor, flat: Tensor, order: Tensor, tok: Tensor,
                         slot: Tensor) -> Tensor:

@@ -47,6 +47,31 @@ def test_preconditions_are_checked_before_the_library():
     assert not fp8_gemm.supported("cpu")
 
 
+def test_masked_grouped_shapes_outside_the_kernels_are_refused_or_routed_around(monkeypatch):
+    """bf16 experts of unaligned sizes (the tiny models: hidden 64, experts of 32) never reach
+    the masked grouped kernel: the call refuses them before the library, and ``Experts`` takes
+    the every-expert path (on the H100 such a call left a decode step hanging, 2026-12-05)."""
+    from hisparse_ray.model.config import tiny_config
+    from hisparse_ray.model.layers import Experts
+
+    assert fp8_gemm.masked_shapes_ok(7168, 4096) and fp8_gemm.masked_shapes_ok(128, 256)
+    assert not any(fp8_gemm.masked_shapes_ok(k, n) for k, n in ((64, 128), (128, 64), (0, 128),
+                                                                 (200, 256), (256, 96)))
+    G, rows = 4, 6
+    group, pos, masked = _routing(G, rows, "cpu", seed=1)
+    for n, k in ((64, 64), (128, 32), (96, 128)):
+        w = torch.zeros(G, n, k, dtype=torch.bfloat16)
+        x = torch.zeros(rows, k, dtype=torch.bfloat16)
+        with pytest.raises(KernelPreconditionError, match="multiples of 128"):
+            fp8_gemm.grouped_linear_masked(x, group, pos, masked, int(masked.max()), w)
+    monkeypatch.setattr(fp8_gemm, "supported", lambda device=None: True)  # as on an sm90 GPU
+    for hidden, inter, kernel in ((64, 32, False), (128, 64, False), (256, 128, True)):
+        experts = Experts(tiny_config().with_(hidden_size=hidden, moe_intermediate_size=inter))
+        experts.to(torch.bfloat16)
+        x = torch.zeros(2, hidden, dtype=torch.bfloat16)
+        assert experts._masked_kernel(x) is kernel, (hidden, inter)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not fp8_gemm.supported(), reason="needs sm90 and sgl-deep-gemm")
 @pytest.mark.parametrize("m,n,k", [(1, 576, 7168), (8, 24576, 1536), (37, 7168, 16384), (128, 4096, 7168)])
