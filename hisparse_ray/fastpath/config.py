@@ -53,6 +53,11 @@ class FastPathConfig:
         the main stream computes the absorbed query (``q_b_proj`` + ``W_uk``), joining before
         attention: the miss copies hide behind the layer's largest GEMM. The same kernels on
         the same inputs: results are bit-identical either way. No effect on CPU.
+    warm_up: on CUDA, run one step of inert padding rows per bucket when the rank is built
+        (:meth:`~hisparse_ray.fastpath.executor.FastExecutor.warm_up`): every bucket's graph is
+        captured and every library kernel compiled before the first request, so no step pays a
+        capture or a JIT compile (on a cold machine that took a first step past the replica's
+        60 s step timeout). No request's state is read or written. No effect on CPU.
     """
 
     max_context: int = 4096
@@ -64,6 +69,7 @@ class FastPathConfig:
     index_pages: int | None = None
     compile_glue: bool = False
     overlap_resolve: bool = True
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         _pos_int("max_context", self.max_context)
@@ -92,6 +98,8 @@ class FastPathConfig:
             raise ConfigError("compile_glue", self.compile_glue, "must be a bool")
         if not isinstance(self.overlap_resolve, bool):
             raise ConfigError("overlap_resolve", self.overlap_resolve, "must be a bool")
+        if not isinstance(self.warm_up, bool):
+            raise ConfigError("warm_up", self.warm_up, "must be a bool")
 
     @property
     def max_batch(self) -> int:

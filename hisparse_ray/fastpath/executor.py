@@ -10,6 +10,8 @@ logits when a logits observer is set.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -24,6 +26,8 @@ from hisparse_ray.fastpath.inputs import RowInput, RowTables
 from hisparse_ray.fastpath.step import FastDecodeStep, index_pages_for
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
 from hisparse_ray.rank.sampler import sample_rows
+
+log = logging.getLogger(__name__)
 
 
 def index_key_kind(value: str, model_dtype: torch.dtype) -> str:
@@ -140,6 +144,26 @@ class FastExecutor:
         src = row.from_row if row.input_token < 0 else -1
         return RowInput(max(row.input_token, 0), n, self.rt.requests[rid].state_row, write, iwrite,
                         t, src)
+
+    def warm_up(self) -> list[tuple[int, float]]:
+        """One step of inert padding rows per bucket, ascending, waited for: captures each
+        bucket's CUDA graph and compiles every kernel the step uses before a request arrives
+        (:attr:`FastPathConfig.warm_up`). Padding rows read nothing of any request and write
+        only the sink rows, so every result after it is what it would have been without. On a
+        TP replica every rank must call it (the step's all-reduces pair up). Returns
+        ``(bucket, seconds)`` per bucket; each is logged."""
+        done = []
+        for i, bucket in enumerate(self.cfg.buckets):
+            t0 = time.perf_counter()
+            self.step.inputs.set_sink("index_write", self.keys.sink_row)
+            self.step.inputs.fill([], bucket)
+            self.step.run(bucket)
+            if self.rt.device.type == "cuda":
+                torch.cuda.synchronize(self.rt.device)
+            done.append((bucket, time.perf_counter() - t0))
+            log.info("fast step: bucket %d ready in %.1f s (%d of %d)%s", bucket, done[-1][1],
+                     i + 1, len(self.cfg.buckets), "" if self.step.use_graphs else ", eager")
+        return done
 
     # -- one step -----------------------------------------------------------------------------------
     def launch(self, batch: Sequence[Any], keep_logits: bool = False,

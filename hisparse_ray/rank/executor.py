@@ -113,6 +113,8 @@ class HiSparseWorker:
         self.handle = HiSparseCacheHandle(self.runtime, mcfg.row_dim, model.dtype, kv_codec)
         self.fast = None if fast is None else FastExecutor(
             model, self.runtime, self.handle.codec, fast, block_threads=cfg.swap_in_block_size)
+        if self.fast is not None and fast.warm_up and self.device.type == "cuda":
+            self.fast.warm_up()  # every bucket captured / compiled before the first request
         self.index: dict[RequestId, IndexerKeyCache] = {}
         self.samplers: dict[RequestId, SamplingParams] = {}  # absent = greedy
         # copies in flight: (step that enqueued them, transfer ids, handle); a step's report
