@@ -2,7 +2,9 @@
 // (kernels/cuda.py): it uses resolver.cu's FULL_MASK, warp_offsets and hash_pos. Opt-in
 // (HISPARSE_RESOLVER_CLUSTER, `cluster=`): measured on the H100 on 2026-12-05 it takes phase A from
 // 14.6 to 14.0 us at batch 1 (BENCHMARKS.md "Resolver kernels"): phase A is a chain of dependent
-// passes, each a round trip to memory plus a barrier, not a throughput problem.
+// passes, each a round trip to memory plus a barrier, not a throughput problem. Its rank and
+// LRU-walk loops mirror hs_resolve's over a slice; folding both into shared device helpers
+// changes hs_resolve, so it waits for a session that can re-run the parity tests on a GPU.
 
 // Phase A spread over a thread-block cluster (sm90): C blocks per batch row, grid = (B * C),
 // block = (T). Same contract and bit-identical results as hs_resolve; each block owns a slice of
