@@ -83,6 +83,7 @@ TABLE: dict[type, tuple[dict, dict[str, list]]] = {
         "index_pages": [0, True],
         "compile_glue": [1, "yes"],
         "overlap_resolve": [0, "on", None],
+        "warm_up": [1, "on", None, "always"],
     }),
     SamplingParams: ({}, {
         "temperature": ["0.7", True, -0.1, NAN, INF, None],

@@ -53,11 +53,13 @@ class FastPathConfig:
         the main stream computes the absorbed query (``q_b_proj`` + ``W_uk``), joining before
         attention: the miss copies hide behind the layer's largest GEMM. The same kernels on
         the same inputs: results are bit-identical either way. No effect on CPU.
-    warm_up: on CUDA, run one step of inert padding rows per bucket when the rank is built
+    warm_up: run one step of inert padding rows per bucket when the rank is built
         (:meth:`~hisparse_ray.fastpath.executor.FastExecutor.warm_up`): every bucket's graph is
         captured and every library kernel compiled before the first request, so no step pays a
-        capture or a JIT compile (on a cold machine that took a first step past the replica's
-        60 s step timeout). No request's state is read or written. No effect on CPU.
+        capture or a JIT compile (on a cold machine that can take a first step near the
+        replica's 60 s step timeout). No request's state is read or written. "auto" (default):
+        on CUDA only; True: on every device (tests: TP ranks warming together on the CPU);
+        False: never.
     """
 
     max_context: int = 4096
@@ -69,7 +71,7 @@ class FastPathConfig:
     index_pages: int | None = None
     compile_glue: bool = False
     overlap_resolve: bool = True
-    warm_up: bool = True
+    warm_up: bool | str = "auto"
 
     def __post_init__(self) -> None:
         _pos_int("max_context", self.max_context)
@@ -98,8 +100,12 @@ class FastPathConfig:
             raise ConfigError("compile_glue", self.compile_glue, "must be a bool")
         if not isinstance(self.overlap_resolve, bool):
             raise ConfigError("overlap_resolve", self.overlap_resolve, "must be a bool")
-        if not isinstance(self.warm_up, bool):
-            raise ConfigError("warm_up", self.warm_up, "must be a bool")
+        if not (isinstance(self.warm_up, bool) or self.warm_up == "auto"):
+            raise ConfigError("warm_up", self.warm_up, 'must be True, False or "auto"')
+
+    def warms_up(self, device_type: str) -> bool:
+        """Whether a rank on a ``device_type`` device runs :attr:`warm_up`'s padding steps."""
+        return self.warm_up is True or (self.warm_up == "auto" and device_type == "cuda")
 
     @property
     def max_batch(self) -> int:

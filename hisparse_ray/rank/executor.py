@@ -113,8 +113,8 @@ class HiSparseWorker:
         self.handle = HiSparseCacheHandle(self.runtime, mcfg.row_dim, model.dtype, kv_codec)
         self.fast = None if fast is None else FastExecutor(
             model, self.runtime, self.handle.codec, fast, block_threads=cfg.swap_in_block_size)
-        if self.fast is not None and fast.warm_up and self.device.type == "cuda":
-            self.fast.warm_up()  # every bucket captured / compiled before the first request
+        # every bucket captured / compiled before the first request (FastPathConfig.warm_up)
+        warmed = self.fast.warm_up() if fast is not None and fast.warms_up(self.device.type) else []
         self.index: dict[RequestId, IndexerKeyCache] = {}
         self.samplers: dict[RequestId, SamplingParams] = {}  # absent = greedy
         # copies in flight: (step that enqueued them, transfer ids, handle); a step's report
@@ -134,7 +134,7 @@ class HiSparseWorker:
         self.trace: Any = None  # TopkTraceRecorder-like: begin_step(step, rows), hook(layer, topk)
         self.on_logits: Any = None  # on_logits(rows, logits [B, V]) after each forward
         self.counters = {"steps": 0, "hot_hits": 0, "hot_misses": 0, "spills": 0, "restores": 0,
-                         "backups": 0, "fast_steps": 0}
+                         "backups": 0, "fast_steps": 0, "warm_up_steps": len(warmed)}
         # the last launched step with rows: (step, fast launch | host tokens), what a chained
         # row of the next command reads its input from; and the last finished one's host tokens
         self._last: tuple[int, Any] | None = None

@@ -86,8 +86,8 @@ def test_tp1_fp8_rows_fast_step_equals_full_resident(ray_cluster):
 
 def test_tp2_gloo_fast_step_equals_tp1(ray_cluster):
     spec = ReplicaSpec(tp_size=2, max_batch=4, num_device_blocks=12, staging_blocks=4, page_size=8,
-                       replica_id="fast-tp2",
-                       fast_path=FastPathConfig(max_context=256, buckets=(1, 2, 4)))
+                       replica_id="fast-tp2",  # warm-up on: both ranks' padding steps pair up
+                       fast_path=FastPathConfig(max_context=256, buckets=(1, 2, 4), warm_up=True))
     rep = launch.launch_replica(spec)
     try:
         assert launch.connect(rep, launch.launch_prefill(PrefillSpec(name="tp2")), "staged") == "staged"
@@ -100,5 +100,6 @@ def test_tp2_gloo_fast_step_equals_tp1(ray_cluster):
         rep.shutdown()
     _check(spec, rows, requests, 16)
     assert all(s["fast_steps"] > 0 and s["error"] is None for s in stats)
+    assert [s["warm_up_steps"] for s in stats] == [3, 3]  # one per bucket on each rank
     assert {rows[r]["landing_path"] for r in ("a", "c")} == {"staged"}  # 15-18 pages: 4-block chunks
     assert stats[0]["hot_misses"] == stats[1]["hot_misses"] > 0  # one selection on both ranks

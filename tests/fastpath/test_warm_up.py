@@ -58,6 +58,9 @@ def test_warm_up_writes_only_the_sinks(dense):
 
 
 def test_switch_is_validated():
-    assert FastPathConfig().warm_up is True
-    with pytest.raises(ConfigError, match="warm_up"):
-        FastPathConfig(warm_up="yes")
+    assert FastPathConfig().warm_up == "auto"
+    assert [FastPathConfig(warm_up=w).warms_up(d) for w in ("auto", True, False)
+            for d in ("cuda", "cpu")] == [True, False, True, True, False, False]
+    for bad in ("yes", "on", 1, None):
+        with pytest.raises(ConfigError, match="warm_up"):
+            FastPathConfig(warm_up=bad)
