@@ -101,15 +101,19 @@ def cluster_size(requested: int | str | None, batch: int, device_index: int) -> 
             requested = int(requested)
         if type(requested) is not int or requested not in CLUSTER_SIZES:
             _fail(f"cluster={requested!r} must be one of {CLUSTER_SIZES} or 'auto'")
-    sm90 = torch.cuda.get_device_capability(device_index) >= (9, 0)
     if requested == "auto":
-        if not sm90:
+        if not _sm90(device_index):
             return 1
         return next((c for c in (8, 4, 2) if batch * c <= _sm_count(device_index)), 1)
-    if requested > 1 and not sm90:
+    if requested > 1 and not _sm90(device_index):
         _fail(f"cluster={requested} needs thread-block clusters (sm90), device {device_index} is "
               f"sm{''.join(map(str, torch.cuda.get_device_capability(device_index)))}")
     return requested
+
+
+@functools.cache
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def _phase_a_smem(k: int, h: int, hash_bits: int, size: int) -> int:
@@ -275,9 +279,10 @@ def resolve(
     size = cluster_size(cluster, b, idx)
     limit = _smem_limit(idx) - 64
     hash_bits = max(6, (4 * k - 1).bit_length())  # load <= 1/4 when it fits, else <= 1/2
-    if _phase_a_smem(k, h, hash_bits, size) > limit:
-        hash_bits = max(6, (2 * k - 1).bit_length())
     smem = _phase_a_smem(k, h, hash_bits, size)
+    if smem > limit:
+        hash_bits = max(6, (2 * k - 1).bit_length())
+        smem = _phase_a_smem(k, h, hash_bits, size)
     if smem > limit:
         _fail(f"K={k}, H={h} need {smem} B of shared memory per block, the device allows {limit}")
     kernel_a, _, kernel_b = _module(idx)

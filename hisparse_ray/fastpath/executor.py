@@ -155,9 +155,7 @@ class FastExecutor:
         done = []
         for i, bucket in enumerate(self.cfg.buckets):
             t0 = time.perf_counter()
-            self.step.inputs.set_sink("index_write", self.keys.sink_row)
-            self.step.inputs.fill([], bucket)
-            self.step.run(bucket)
+            self._run([], bucket)
             if self.rt.device.type == "cuda":
                 torch.cuda.synchronize(self.rt.device)
             done.append((bucket, time.perf_counter() - t0))
@@ -166,6 +164,12 @@ class FastExecutor:
         return done
 
     # -- one step -----------------------------------------------------------------------------------
+    def _run(self, rows: list[RowInput], bucket: int) -> None:
+        """Fill the step's inputs with ``rows`` (padding up to ``bucket``) and enqueue it."""
+        self.step.inputs.set_sink("index_write", self.keys.sink_row)  # moves when the pool grows
+        self.step.inputs.fill(rows, bucket)
+        self.step.run(bucket)
+
     def launch(self, batch: Sequence[Any], keep_logits: bool = False,
                sampling: Sequence[Any] | None = None) -> FastLaunch:
         """Fill the inputs and enqueue one step and the copy of its outputs (no sync); read it
@@ -182,10 +186,7 @@ class FastExecutor:
         prior = self._out_users[slot]
         if prior is not None and prior.values is None:
             raise StateError("a third fast step launched before the first of them was read")
-        rows = [self.row_input(r) for r in batch]
-        self.step.inputs.set_sink("index_write", self.keys.sink_row)  # moves when the pool grows
-        self.step.inputs.fill(rows, bucket)
-        self.step.run(bucket)
+        self._run([self.row_input(r) for r in batch], bucket)
         st = self.step
         if sampling is not None and any(p is not None and not p.greedy for p in sampling):
             sample_rows(st.logits[:B], sampling, [r.seq_len - 1 for r in batch], into=st.tokens[:B])

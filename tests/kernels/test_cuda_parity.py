@@ -74,6 +74,11 @@ def _over_steps(shape, cluster, seed_extra=""):
     assert copies > 0 or h == 1
 
 
+def _need_clusters():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread-block clusters need sm90")
+
+
 SHAPE_IDS = lambda s: "B{}-K{}-H{}-R{}-T{}".format(*s[:4], s[5])  # noqa: E731
 
 
@@ -87,8 +92,7 @@ def test_resolve_matches_reference_over_steps(shape):
 def test_cluster_phase_a_matches_reference_over_steps(shape, cluster):
     """Phase A over a thread-block cluster (sm90): slices of the top-k and of the hot slots per
     block, hits claimed across blocks, victims handed to the block owning each miss."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("thread-block clusters need sm90")
+    _need_clusters()
     _over_steps(shape, cluster)
 
 
@@ -96,8 +100,7 @@ def test_cluster_phase_a_random_shapes():
     """Many random small shapes (K and H not multiples of the cluster, rows of every path in
     one batch, slots mostly hits or mostly misses), every cluster size, each against the
     reference: a cross-block ordering bug shows up as one differing entry."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("thread-block clusters need sm90")
+    _need_clusters()
     rng = random.Random(20261205)
     for trial in range(24):
         h = rng.randrange(1, 700)
@@ -110,8 +113,8 @@ def test_cluster_phase_a_random_shapes():
 
 @pytest.mark.parametrize("cluster", [1, 4])
 def test_cuda_graph_capture_and_replay_match_eager(cluster):
-    if cluster > 1 and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("thread-block clusters need sm90")
+    if cluster > 1:
+        _need_clusters()
     case = gpu_case(7, batch=8, k=256, h=1024, seq_lens=[1500] * 7 + [0], page_size=64,
                     row_bytes=656, host_blocks=256)
     ref = case.clone_state()
