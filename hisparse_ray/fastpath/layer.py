@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from hisparse_ray.fastpath.config import FastPathConfig
 from hisparse_ray.fastpath.index_keys import PagedIndexKeys, quantize_queries
 from hisparse_ray.kernels import deepgemm, flashmla
 from hisparse_ray.kernels.kvfp8 import KVRowCodec
+from hisparse_ray.model.fp8 import linear_no_bias
 
 
 def choose_attention(cfg: FastPathConfig, model, codec: KVRowCodec, device: torch.device) -> str:
@@ -74,7 +75,7 @@ def finish(attn, ctx: Tensor) -> Tensor:
     B = ctx.shape[0]
     w = attn.kv_b_proj.weight.view(attn.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
     o = torch.einsum("bhr,hvr->bhv", ctx, w[:, cfg.qk_nope_head_dim:])
-    out = nn.functional.linear(o.reshape(B, attn.heads * cfg.v_head_dim), attn.o_proj.weight)
+    out = linear_no_bias(attn.o_proj, o.reshape(B, attn.heads * cfg.v_head_dim))  # fp8 weights: their GEMM
     if attn.tp_size > 1:
         dist.all_reduce(out, group=attn.tp_group)
     if attn.o_proj.bias is not None:

@@ -81,7 +81,10 @@ def test_tp1_cuda_graph_step_equals_full_resident(ray_cluster, kv):
         assert rows[rid]["tokens"] == ref[rid], rid
     print(f"\n{kv}: {stats}")
     assert stats["fast_steps"] > 0 and stats["hot_misses"] > 0 and stats["error"] is None
-    assert rows["g0"]["target"] == "host" and counters["prefix_hit_pages"] > 0
+    # which requests land on the host tier depends on arrival timing (g0's whole life fits the
+    # device pool when it comes first): some row reached the host tier, by landing or by a spill
+    host = [r for r, _ in first + second if rows[r]["target"] == "host"]
+    assert (host or stats["spills"] > 0) and counters["prefix_hit_pages"] > 0
 
 
 @pytest.mark.parametrize("gpus_per_rank", [
