@@ -131,10 +131,10 @@ class DeployOptions:
     compile_glue: str = _opt("off", "the fast step's per-layer torch work compiled by "
                              "torch.compile (fused kernels; compiles in a bucket's first step, "
                              "once per rank process): on, off", "replica", choices=ON_OFF)
-    lookahead: str = _opt("off", "pipeline the decode steps one deep: step N + 1 goes to the ranks "
-                          "before step N's tokens are read, each row fed the token its previous "
-                          "row sampled on the device (the same tokens): on, off", "replica",
-                          choices=ON_OFF)
+    lookahead: str = _opt("auto", "pipeline the decode steps one deep: step N + 1 goes to "
+                          "the ranks before step N's tokens are read, each row fed the token "
+                          "its previous row sampled on the device (the same tokens): on, off, "
+                          "auto = on with the fast path", "replica", choices=FAST_PATH)
     kv_cache_dtype: str = _opt("auto", "KV rows in every pool and landing: auto = the model dtype, "
                                "fp32, bf16, fp8 (656 B rows)", "replica", choices=KV_CACHE_DTYPES)
     index_key_dtype: str = _opt("auto", "the fast path's GPU index keys: auto = the model dtype, "
@@ -249,20 +249,20 @@ class DeployOptions:
     def _build_specs(self, gpus_per_rank: float) -> tuple["ReplicaSpec", "PrefillSpec"]:
         model = ModelSpec(kind=self.model, seed=self.seed, dtype=self.dtype,
                           shape=self.model_shape, num_layers=self.model_layers, fp8=self.fp8)
+        fast = deployment_fast_path(
+            self.fast_path, gpus_per_rank, self.max_prompt_tokens + self.max_new_tokens_limit,
+            self.max_batch, self.index_key_dtype, self.compile_glue == "on")
         replica = ReplicaSpec(
             model=model, hisparse=self.config, page_size=self.page_size,
             num_device_blocks=self.device_blocks, staging_blocks=self.staging_blocks,
             tp_size=self.tp, max_batch=self.max_batch, gpus_per_rank=gpus_per_rank,
             cpus_per_rank=self.cpus_per_rank, step_timeout_s=self.step_timeout_s,
             landing_attempts=self.landing_attempts, landing_timeout_s=self.landing_timeout_s,
-            replica_id=self.replica_id, step_yield_s=self.step_yield_s,
-            landing_layer_groups=self.landing_layer_groups,
-            landing_call_timeout_s=self.landing_call_timeout_s,
+            replica_id=self.replica_id, step_yield_s=self.step_yield_s, fast_path=fast,
+            landing_layer_groups=self.landing_layer_groups, host_pool_dir=self.host_pool_dir,
+            landing_call_timeout_s=self.landing_call_timeout_s, kv_cache_dtype=self.kv_cache_dtype,
             landing_push_with_prefill=self.landing_push_with_prefill,
-            host_pool_dir=self.host_pool_dir, lookahead=self.lookahead == "on",
-            kv_cache_dtype=self.kv_cache_dtype, fast_path=deployment_fast_path(
-                self.fast_path, gpus_per_rank, self.max_prompt_tokens + self.max_new_tokens_limit,
-                self.max_batch, self.index_key_dtype, self.compile_glue == "on"))
+            lookahead=self.lookahead == "on" or (self.lookahead == "auto" and fast is not None))
         prefill = PrefillSpec(model=model, max_prompt_tokens=self.max_prompt_tokens,
                               gpus=self.prefill_gpus, cpus=self.prefill_cpus,
                               kv_cache_dtype=self.kv_cache_dtype)

@@ -63,7 +63,9 @@ class EngineConfig:
         (chain=True)``: a row's input is read on the device from the step before, where it was
         sampled, greedy or not). The tokens are those of ``lookahead=False``; a step that finds
         eos was already followed by one more row of its request, whose output is dropped. Pays
-        on the GPU's fast path only (elsewhere a step runs to the end when launched).
+        on the GPU's fast path only (elsewhere a step runs to the end when launched): "auto"
+        (default) = on with ``fast_path`` on a CUDA device (0.96-0.99x the ms/step on the H100,
+        61 layers, batch 1-16), True, False.
     device: "cpu", "cuda" or "cuda:N". backend: the resolver's ("auto", "cuda", "torch").
     Every field is checked at construction (ConfigError naming it); ``Engine`` then checks the
     HiSparse config against the model (``HiSparseConfig.check_model``).
@@ -80,7 +82,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     device_pool_gib: float | None = None
     fast_path: FastPathConfig | None = None
-    lookahead: bool = False
+    lookahead: bool | str = "auto"
 
     def __post_init__(self) -> None:
         check_type("hisparse", self.hisparse, HiSparseConfig)
@@ -91,7 +93,8 @@ class EngineConfig:
             raise ConfigError("device", self.device, "must be 'cpu', 'cuda' or 'cuda:N'")
         check_choice("backend", self.backend, ("auto", "cuda", "torch"))
         check_bool("batch_invariant", self.batch_invariant)
-        check_bool("lookahead", self.lookahead)
+        if self.lookahead != "auto" and type(self.lookahead) is not bool:
+            raise ConfigError("lookahead", self.lookahead, "True, False or 'auto'")
         check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_DTYPES))
         check_optional_number("device_pool_gib", self.device_pool_gib, lo=0, lo_open=True,
                               why="GiB")
@@ -110,6 +113,13 @@ class EngineConfig:
     def codec(self, model_cfg: Any, dtype: torch.dtype):
         """The KV row codec of ``kv_cache_dtype`` for this model."""
         return row_codec(self.kv_cache_dtype, model_cfg, dtype)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether steps pipeline one deep (``lookahead``; "auto": the fast path on CUDA)."""
+        if self.lookahead == "auto":
+            return self.fast_path is not None and self.device.startswith("cuda")
+        return self.lookahead
 
     @property
     def hot_blocks(self) -> int:
@@ -194,6 +204,7 @@ class Engine:
         self._pending: dict[RequestId, _Pending] = {}
         self._known: dict[RequestId, _Pending] = {}
         self._inflight = None  # the launched step not finished yet (lookahead)
+        self.pipelined = c.pipelined
         self.steps = 0
         # prefill_hook(request_id, layer, topk) may record or replace a prefill's top-k (tests, tools)
         self.prefill_hook: Any = None
@@ -218,7 +229,7 @@ class Engine:
             raise CapacityError(f"positions of request {rid!r} (fast_path.max_context)",
                                 len(p.prompt) + max_new_tokens, fast.max_context)
         adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id,
-                              chain=self.config.lookahead)  # validates first
+                              chain=self.pipelined)  # validates first
         self._known[rid] = p
         self.worker.set_sampling(rid, sampling or SamplingParams())
         if adm is not None:
@@ -313,7 +324,7 @@ class Engine:
             launched = self.worker.launch(cmd)
         self.steps += 1
         self._finish_inflight()
-        if self.config.lookahead:
+        if self.pipelined:
             self._inflight = launched
         else:
             self.core.apply_report(self.worker.finish(launched))
