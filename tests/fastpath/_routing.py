@@ -2,7 +2,8 @@
 ``Router.forward``, read at each ``on_logits`` (the decode forward's router calls are the last
 ones before it: one call of the whole batch per layer, a fast step's padded bucket included, or,
 batch-invariant, one call per row and layer, row by row). Eager steps only: a CUDA graph's
-replay runs no Python."""
+replay runs no Python; unpipelined only: with ``lookahead`` step N + 1's calls come before step
+N's logits."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ class RoutingRecorder:
 
     def attach(self, eng) -> None:
         """Wrap ``eng.worker.on_logits`` (set it first) to file each step's router calls."""
+        if eng.pipelined:
+            raise AssertionError("RoutingRecorder needs EngineConfig(lookahead=False): a pipelined "
+                                 "step launches before the previous one's logits are read")
         inner = eng.worker.on_logits
 
         def on_logits(rows, out):
