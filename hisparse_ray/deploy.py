@@ -131,7 +131,7 @@ class DeployOptions:
     compile_glue: str = _opt("off", "the fast step's per-layer torch work compiled by "
                              "torch.compile (fused kernels; compiles in a bucket's first step, "
                              "once per rank process): on, off", "replica", choices=ON_OFF)
-    lookahead: str = _opt("auto", "pipeline the decode steps one deep: step N + 1 goes to "
+    lookahead: str = _opt("off", "pipeline the decode steps one deep: step N + 1 goes to "
                           "the ranks before step N's tokens are read, each row fed the token "
                           "its previous row sampled on the device (the same tokens): on, off, "
                           "auto = on with the fast path", "replica", choices=FAST_PATH)

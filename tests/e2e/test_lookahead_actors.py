@@ -67,9 +67,12 @@ def _settled(rep, timeout=60.0):
 def test_lookahead_option_reaches_the_replica():
     assert DeployOptions(lookahead="on").specs()[0].lookahead
     assert not DeployOptions(lookahead="off", fast_path="on").host_specs()[0].lookahead
-    # "auto" (the default): on where the ranks run the fast step, off on the reference path
+    # "auto": on where the ranks run the fast step, off on the reference path; the default
+    # stays "off" until the actor path is timed with it on a GPU (the engine's "auto" was)
     assert not DeployOptions().specs()[0].lookahead
-    assert DeployOptions(fast_path="on").host_specs()[0].lookahead
+    assert not DeployOptions(fast_path="on").host_specs()[0].lookahead
+    assert DeployOptions(fast_path="on", lookahead="auto").host_specs()[0].lookahead
+    assert not DeployOptions(lookahead="auto").specs()[0].lookahead
 
 
 def test_tp2_reference_path_lookahead_equals_full_resident(ray_cluster):
