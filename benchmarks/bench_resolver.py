@@ -4,7 +4,7 @@ the same run; for 0 % miss, an empty kernel's launch). Writes a Parquet file and
 
     python benchmarks/bench_resolver.py [--out bench_resolver.parquet] [--quick]
     python benchmarks/bench_resolver.py --clusters [--out clusters.parquet]  # phase A per cluster size
-    python benchmarks/bench_resolver.py --phase-a [--out phase_a.parquet]    # default vs fused passes
+    python benchmarks/bench_resolver.py --phase-a [--out phase_a.parquet]  # default vs fused
     HISPARSE_RESOLVER_PHASE_A=fused python benchmarks/bench_resolver.py --profile  # fused, by stage
 
 Timing: each call is captured in a CUDA graph ITERS times with a different top-k per call (so

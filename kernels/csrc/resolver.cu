@@ -59,9 +59,9 @@ __device__ __forceinline__ unsigned hash_pos(int p, int bits) {
 // of the block calls each; none has a barrier.
 
 // The state row (slot_pos, lru, slot_rows) into shared memory, hit flags cleared.
-__device__ __forceinline__ void stage_state(const int* sp, const int* lr, const int* srow, int* s_sp,
-                                            int* s_lr, int* s_srow, unsigned char* hit_flag, int H,
-                                            int tid, int T) {
+__device__ __forceinline__ void stage_state(const int* sp, const int* lr, const int* srow,
+                                            int* s_sp, int* s_lr, int* s_srow,
+                                            unsigned char* hit_flag, int H, int tid, int T) {
     if ((H & 3) == 0 && ((size_t)sp & 15) == 0 && ((size_t)lr & 15) == 0) {
         for (int i = tid; i < H / 4; i += T) {
             const int4 a = reinterpret_cast<const int4*>(sp)[i];
@@ -121,8 +121,8 @@ __device__ __forceinline__ void mark_hits(const int* s_sp, const int* h_keys, co
 
 // Ranks of hits and misses in top-k order over the warp's segment [lo, hi), from the counts of
 // the lower warps (bh, bm).
-__device__ __forceinline__ void write_ranks(const int* slot_of, int* rank_of, int lo, int hi, int bh,
-                                            int bm, int lane, unsigned lt_mask) {
+__device__ __forceinline__ void write_ranks(const int* slot_of, int* rank_of, int lo, int hi,
+                                            int bh, int bm, int lane, unsigned lt_mask) {
     for (int base = lo; base < hi; base += 32) {
         const int j = base + lane;
         const int c = j < hi ? slot_of[j] : -1;
@@ -137,9 +137,9 @@ __device__ __forceinline__ void write_ranks(const int* slot_of, int* rank_of, in
 
 // The LRU walk over the warp's segment [lo, hi) of the old order (oldest first): the first nmiss
 // unhit slots are victims, the others keep their order at the front of the new LRU.
-__device__ __forceinline__ void walk_lru(const int* s_lr, const unsigned char* hit_flag, int* victim,
-                                         int* lr, int lo, int hi, int be, int nmiss, int lane,
-                                         unsigned lt_mask) {
+__device__ __forceinline__ void walk_lru(const int* s_lr, const unsigned char* hit_flag,
+                                         int* victim, int* lr, int lo, int hi, int be, int nmiss,
+                                         int lane, unsigned lt_mask) {
     for (int base = lo; base < hi; base += 32) {
         const int i = base + lane;
         const int slot = i < hi ? s_lr[i] : 0;
@@ -241,7 +241,8 @@ extern "C" __global__ void hs_resolve(
     //    walk in one pass (disjoint writes), the miss list's base taken.
     const int newest_row = srow[H];
     const int mask = cap - 1;
-    for (int i = tid; i < cap / 4; i += T) reinterpret_cast<int4*>(h_keys)[i] = make_int4(-1, -1, -1, -1);
+    for (int i = tid; i < cap / 4; i += T)
+        reinterpret_cast<int4*>(h_keys)[i] = make_int4(-1, -1, -1, -1);
     __syncthreads();
     HS_STAGE(2)
     stage_state(sp, lr, srow, s_sp, s_lr, s_srow, hit_flag, H, tid, T);
