@@ -4,6 +4,8 @@ the same run; for 0 % miss, an empty kernel's launch). Writes a Parquet file and
 
     python benchmarks/bench_resolver.py [--out bench_resolver.parquet] [--quick]
     python benchmarks/bench_resolver.py --clusters [--out clusters.parquet]  # phase A per cluster size
+    python benchmarks/bench_resolver.py --phase-a [--out phase_a.parquet]  # default vs fused
+    HISPARSE_RESOLVER_PHASE_A=fused python benchmarks/bench_resolver.py --profile  # fused, by stage
 
 Timing: each call is captured in a CUDA graph ITERS times with a different top-k per call (so
 host rows are not re-read from L2); with misses, each call is preceded by a restore of the slot
@@ -75,10 +77,10 @@ class Bench:
     """One (H, row_bytes, batch) state; top-k sets for each miss rate."""
 
     def __init__(self, h: int, rb: int, batch: int, pool: torch.Tensor, threads: int,
-                 cluster: int | str = 1):
+                 cluster: int | str = 1, phase_a: str | None = None):
         dev = "cuda"
         self.h, self.rb, self.batch, self.threads = h, rb, batch, threads
-        self.cluster = cluster
+        self.cluster, self.phase_a = cluster, phase_a
         self.host = pool[: (pool.numel() // rb) * rb].view(-1, rb)
         host_blocks = self.host.shape[0] // PAGE
         pages = SEQ // PAGE
@@ -130,7 +132,8 @@ class Bench:
                 kcuda.resolve(tks[i], self.seq_lens, self.state_idx, self.slot_pos, self.lru,
                               self.slot_rows, self.resident, self.host_table, self.host,
                               self.device_kv, self.out, self.plan, page_size=PAGE,
-                              block_threads=self.threads, cluster=self.cluster)
+                              block_threads=self.threads, cluster=self.cluster,
+                              phase_a=self.phase_a)
 
         def restores():
             for _ in range(ITERS):
@@ -217,30 +220,32 @@ def profile(pool: torch.Tensor, threads: int) -> None:
     K = k0
 
 
-def cluster_sweep(pool: torch.Tensor, out: str) -> None:
-    """Phase A spread over a thread-block cluster (``kcuda.cluster_size``) against one block a
-    row, same process: us per resolve call and the ratio to cluster 1 at the same shape."""
+def variant_sweep(pool: torch.Tensor, out: str, variants: list[tuple[str, int | str, str]],
+                  threads_list: tuple[int, ...] = (1024, 512, 256)) -> None:
+    """Phase A variants ``(label, cluster, phase_a)`` against the first one at 1024 threads, same
+    process: us per resolve call (H 4096, K 2048, 1152 B rows) and the ratio (``vs_first``)."""
     rows = []
     for batch in (1, 4, 16, 64):
-        for threads in (1024, 512, 256):
+        for threads in threads_list:
             bench = Bench(4096, 1152, batch, pool, threads)
             for miss in (0.0, 0.6):  # 0.6: a 40 % consecutive-step overlap, every overlap a hit
-                for cluster in (1, 2, 4, 8, "auto"):
-                    bench.cluster = cluster
-                    rows.append(dict(batch=batch, miss=miss, cluster=str(cluster),
+                for label, cluster, phase_a in variants:
+                    bench.cluster, bench.phase_a = cluster, phase_a
+                    rows.append(dict(batch=batch, miss=miss, variant=label,
                                      size=kcuda.cluster_size(cluster, batch, 0), threads=threads,
                                      us=bench.run(miss), H=4096, row_bytes=1152))
         for r in rows:
             if r["batch"] == batch:
-                r["vs_block"] = r["us"] / next(
+                r["vs_first"] = r["us"] / next(
                     q["us"] for q in rows if q["batch"] == batch and q["miss"] == r["miss"]
-                    and q["cluster"] == "1" and q["threads"] == 1024)
-    print("phase A per cluster size (H 4096, K 2048, 1152 B rows; vs_block: / cluster 1 at "
+                    and q["variant"] == variants[0][0] and q["threads"] == 1024)
+    print(f"phase A variants (H 4096, K 2048, 1152 B rows; vs_first: / {variants[0][0]} at "
           "1024 threads, same run)")
-    print(f"{'batch':>5} {'miss':>5} {'cluster':>7} {'size':>4} {'threads':>7} {'us':>8} {'vs_block':>8}")
+    print(f"{'batch':>5} {'miss':>5} {'variant':>9} {'size':>4} {'threads':>7} {'us':>8} "
+          f"{'vs_first':>8}")
     for r in rows:
-        print(f"{r['batch']:5d} {r['miss']:5.1f} {r['cluster']:>7} {r['size']:4d} {r['threads']:7d} "
-              f"{r['us']:8.1f} {r['vs_block']:8.2f}")
+        print(f"{r['batch']:5d} {r['miss']:5.1f} {r['variant']:>9} {r['size']:4d} "
+              f"{r['threads']:7d} {r['us']:8.1f} {r['vs_first']:8.2f}")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -258,6 +263,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel durations only, then exit")
     ap.add_argument("--clusters", action="store_true",
                     help="phase A per thread-block cluster size only, then exit")
+    ap.add_argument("--phase-a", action="store_true",
+                    help="phase A's default vs fused long path only (HS_FUSED), then exit")
     args = ap.parse_args()
     pool = torch.empty(int(args.pool_gib * (1 << 30)), dtype=torch.uint8, pin_memory=True)
     pool.fill_(0x5A)
@@ -269,7 +276,11 @@ def main() -> None:
         profile(pool, args.threads)
         return
     if args.clusters:
-        cluster_sweep(pool, args.out)
+        variant_sweep(pool, args.out, [(f"c{c}", c, "default") for c in (1, 2, 4, 8, "auto")])
+        return
+    if args.phase_a:
+        variant_sweep(pool, args.out, [("default", 1, "default"), ("fused", 1, "fused")],
+                      threads_list=(1024, 512))
         return
     rows = []
     sweep = {}

@@ -26,6 +26,11 @@
 #   bash benchmarks/fast_gpu.sh lookahead  # < 9 min: the step pipeline's gpu test (bit-identical with
 #                                          # the GPU lagging), then bench_lookahead.py: the engine's
 #                                          # ms/step with EngineConfig.lookahead off / on, 61 layers
+#   bash benchmarks/fast_gpu.sh resolver   # < 7 min: the resolver's parity tests (the fused phase A
+#                                          # too), default vs fused phase A (bench_resolver.py
+#                                          # --phase-a), the fused kernel by stage, the fast path's
+#                                          # bit-exact tests with it (TPOT with it: the overlap mode
+#                                          # under HISPARSE_RESOLVER_PHASE_A=fused)
 #   bash benchmarks/fast_gpu.sh final      # < 6.5 min: fast-path + exactness gpu tests, 32K + 128K
 #                                          # capacity (few steps) and a 16K prefill, time-boxed each
 # Carry .device-wheels/kernels (sglang-kernel 0.4.6, sgl-deep-gemm, apache-tvm-ffi).
@@ -129,6 +134,22 @@ case "${1:-check}" in
       --out "$OUT/profile" > "$OUT/profile_step.log" 2>&1
     echo "profile rc=$?"
     grep -v -E "^USDT|profiler_st" "$OUT/profile_step.log" | tail -40
+    ;;
+  resolver)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rA tests/kernels/test_cuda_parity.py \
+      tests/kernels/test_cluster_config.py > "$OUT/parity.log" 2>&1
+    echo "parity rc=$?"
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/parity.log" | tail -12
+    timeout 120 python3 benchmarks/bench_resolver.py --phase-a --out "$OUT/phase_a.parquet" \
+      > "$OUT/phase_a.log" 2>&1
+    echo "phase-a bench rc=$?"
+    tail -20 "$OUT/phase_a.log"
+    HISPARSE_RESOLVER_PHASE_A=fused timeout 60 python3 benchmarks/bench_resolver.py --profile \
+      > "$OUT/profile_fused.log" 2>&1
+    grep -E "returns after|K=" "$OUT/profile_fused.log" | tail -12
+    HISPARSE_RESOLVER_PHASE_A=fused timeout 50 python3 -m pytest -q -p no:cacheprovider \
+      tests/fastpath/test_fast_gpu.py -k "one_bucket or overlap_is_bit" > "$OUT/fused_fast.log" 2>&1
+    echo "fast path with the fused phase A rc=$?"; tail -1 "$OUT/fused_fast.log"
     ;;
   final)
     timeout 110 python3 -m pytest -v -p no:cacheprovider -rA tests/fastpath/test_fast_gpu.py \

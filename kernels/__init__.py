@@ -52,13 +52,15 @@ def backend_for(device_kv: torch.Tensor, backend: str = "auto") -> ModuleType:
 def resolve(top_k, seq_lens, state_idx, slot_pos, lru, slot_rows, resident_table, host_table,
             host_kv, device_kv, out_rows, plan=None, *, page_size: int,
             block_threads: int = DEFAULT_BLOCK_THREADS, debug: bool | None = None,
-            cluster: int | str | None = None, backend: str = "auto") -> None:
+            cluster: int | str | None = None, phase_a: str | None = None,
+            backend: str = "auto") -> None:
     """Resolve one layer's top-k positions to device rows (see ``reference.resolve``;
-    ``cluster``: phase A's blocks per row on CUDA, ``cuda.cluster_size``)."""
+    ``cluster``: phase A's blocks per row on CUDA, ``cuda.cluster_size``; ``phase_a``: its long
+    path's variant on CUDA, ``cuda.fused_phase_a``)."""
     backend_for(device_kv, backend).resolve(
         top_k, seq_lens, state_idx, slot_pos, lru, slot_rows, resident_table, host_table,
         host_kv, device_kv, out_rows, plan, page_size=page_size, block_threads=block_threads,
-        debug=debug, cluster=cluster,
+        debug=debug, cluster=cluster, phase_a=phase_a,
     )
 
 

@@ -111,6 +111,25 @@ def cluster_size(requested: int | str | None, batch: int, device_index: int) -> 
     return requested
 
 
+PHASE_A = ("default", "fused")
+
+
+def fused_phase_a(requested: str | None, k: int, size: int) -> bool:
+    """Whether phase A runs its long path in fewer passes (``-DHS_FUSED=1``: one sweep stages
+    the row, reads the page tables and hashes; one block scan counts hits, misses and the LRU's
+    evictable slots). ``requested``: "default" / "fused", None reads
+    ``HISPARSE_RESOLVER_PHASE_A`` (default "default"). One block a row only; K < 32768."""
+    if requested is None:
+        requested = env_choice("HISPARSE_RESOLVER_PHASE_A", PHASE_A, "default")
+    if requested not in PHASE_A:
+        _fail(f"phase_a={requested!r} must be one of {PHASE_A}")
+    if requested == "fused" and size > 1:
+        _fail(f"phase_a='fused' runs one block a row; cluster={size} asks for {size}")
+    if requested == "fused" and k >= 1 << 15:
+        _fail(f"phase_a='fused' packs two counts of K in one int: K={k} must be < 32768")
+    return requested == "fused"
+
+
 @functools.cache
 def _sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
@@ -242,6 +261,7 @@ def resolve(
     block_threads: int = DEFAULT_BLOCK_THREADS,
     debug: bool | None = None,
     cluster: int | str | None = None,
+    phase_a: str | None = None,
 ) -> None:
     """CUDA twin of :func:`hisparse_ray.kernels.reference.resolve` (same shapes and semantics).
 
@@ -250,7 +270,8 @@ def resolve(
     slot_pos/lru and writes out_rows, the plan and a compact miss list; phase B (one block per
     SM, 4 rows per warp) copies the listed rows from host_kv (pinned, UVA) into device_kv and
     resets the per-device miss counter. When ``plan`` is None a scratch plan is allocated on the
-    current stream. Calls on one device must not overlap on two streams."""
+    current stream. Calls on one device must not overlap on two streams. ``phase_a``: the long
+    path's variant (:func:`fused_phase_a`; same results)."""
     import numpy as np
 
     b, k, h = check_resolve_args(
@@ -285,7 +306,8 @@ def resolve(
         smem = _phase_a_smem(k, h, hash_bits, size)
     if smem > limit:
         _fail(f"K={k}, H={h} need {smem} B of shared memory per block, the device allows {limit}")
-    kernel_a, _, kernel_b = _module(idx)
+    fused = fused_phase_a(phase_a, k, size)
+    kernel_a, _, kernel_b = _build(idx, _DEFINES + ("-DHS_FUSED=1",)) if fused else _module(idx)
     if size > 1:
         kernel_a = _cluster_kernel(idx, _DEFINES, size)
     counters = _miss_counters(idx)

@@ -91,6 +91,7 @@ def resolve(
     block_threads: int = DEFAULT_BLOCK_THREADS,
     debug: bool | None = None,
     cluster: int | str | None = None,
+    phase_a: str | None = None,
 ) -> None:
     """Map each selected position to a device row, copying misses host -> device.
 
@@ -101,7 +102,7 @@ def resolve(
     (out); plan [B, K, 2] (out, optional): (host_row, device_row) per miss copy, else (-1, -1).
     Requires K <= H. ``block_threads`` (CUDA threads per block) and ``debug`` are validated and
     otherwise ignored here: the reference always checks the data preconditions; ``cluster``
-    (the CUDA twin's blocks per row) is ignored.
+    (the CUDA twin's blocks per row) and ``phase_a`` (its long path's variant) are ignored.
     """
     b, k, h = check_resolve_args(
         top_k, seq_lens, state_idx, slot_pos, lru, slot_rows, resident_table, host_table,

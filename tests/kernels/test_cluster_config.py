@@ -24,6 +24,25 @@ def test_env_switch_default_case_and_bad_value(monkeypatch):
         kcuda.cluster_size(None, 1, 0)
 
 
+def test_fused_phase_a_switch_is_checked(monkeypatch):
+    """``phase_a`` / ``HISPARSE_RESOLVER_PHASE_A``: "default" unless asked; a bad value, a
+    cluster and K past the packed counts' 16 bits are named before anything launches."""
+    monkeypatch.delenv("HISPARSE_RESOLVER_PHASE_A", raising=False)
+    assert not kcuda.fused_phase_a(None, 2048, 1)
+    assert kcuda.fused_phase_a("fused", 2048, 1) and not kcuda.fused_phase_a("default", 2048, 8)
+    monkeypatch.setenv("HISPARSE_RESOLVER_PHASE_A", "Fused")
+    assert kcuda.fused_phase_a(None, 32767, 1)
+    monkeypatch.setenv("HISPARSE_RESOLVER_PHASE_A", "fast")
+    with pytest.raises(ConfigError, match="HISPARSE_RESOLVER_PHASE_A.*fast"):
+        kcuda.fused_phase_a(None, 2048, 1)
+    with pytest.raises(KernelPreconditionError, match="cluster=4"):
+        kcuda.fused_phase_a("fused", 2048, 4)
+    with pytest.raises(KernelPreconditionError, match="K=32768"):
+        kcuda.fused_phase_a("fused", 32768, 1)
+    with pytest.raises(KernelPreconditionError, match="phase_a='quick'"):
+        kcuda.fused_phase_a("quick", 2048, 1)
+
+
 @pytest.mark.parametrize("bad", [3, 0, 16, True, "many", 2.0])
 def test_bad_cluster_size_is_named(bad):
     with pytest.raises(KernelPreconditionError, match=f"cluster={bad!r}"):
@@ -39,12 +58,13 @@ def test_cluster_layout_needs_no_more_shared_memory(k, h):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+@pytest.mark.parametrize("fused", [0, 1])
 @pytest.mark.parametrize("arch,cluster", [("sm_90", True), ("sm_80", False)])
-def test_source_compiles(tmp_path, arch, cluster):
+def test_source_compiles(tmp_path, arch, cluster, fused):
     src, cubin = tmp_path / "resolver.cu", tmp_path / "resolver.cubin"
     src.write_text(kcuda.source())
-    run = subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-cubin", "-o", str(cubin),
-                          str(src)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", f"-DHS_FUSED={fused}", "-cubin",
+                          "-o", str(cubin), str(src)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     names = cubin.read_bytes()
     assert b"hs_resolve" in names and (b"hs_resolve_c8" in names) == cluster

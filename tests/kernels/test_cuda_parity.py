@@ -74,6 +74,20 @@ def _over_steps(shape, cluster, seed_extra=""):
     assert copies > 0 or h == 1
 
 
+def _random_shapes(seed, clusters, trials=24):
+    """``trials`` random small shapes (K and H not multiples of the cluster or the block, rows
+    of every path in one batch, slots mostly hits or mostly misses), a cluster size drawn from
+    ``clusters`` each, against the reference over steps."""
+    rng = random.Random(seed)
+    for trial in range(trials):
+        h = rng.randrange(1, 700)
+        k = rng.randrange(1, h + 1)
+        shape = (rng.randrange(1, 40), k, h, rng.choice([7, 16, 656]), rng.choice([1, 4, 16, 64]),
+                 rng.choice([64, 96, 128, 256, 1024]), rng.choice([torch.int32, torch.int64]),
+                 rng.randrange(1, 3 * h + 2))
+        _over_steps(shape, rng.choice(clusters), seed_extra=str(trial))
+
+
 def _need_clusters():
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("thread-block clusters need sm90")
@@ -101,14 +115,28 @@ def test_cluster_phase_a_random_shapes():
     one batch, slots mostly hits or mostly misses), every cluster size, each against the
     reference: a cross-block ordering bug shows up as one differing entry."""
     _need_clusters()
-    rng = random.Random(20261205)
-    for trial in range(24):
-        h = rng.randrange(1, 700)
-        k = rng.randrange(1, h + 1)
-        shape = (rng.randrange(1, 40), k, h, rng.choice([7, 16, 656]), rng.choice([1, 4, 16, 64]),
-                 rng.choice([64, 96, 128, 256, 1024]), rng.choice([torch.int32, torch.int64]),
-                 rng.randrange(1, 3 * h + 2))
-        _over_steps(shape, rng.choice([2, 4, 8, "auto"]), seed_extra=str(trial))
+    _random_shapes(20261205, [2, 4, 8, "auto"])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_fused_phase_a_matches_reference_over_steps(shape, monkeypatch):
+    """Phase A's long path in fewer passes (``HISPARSE_RESOLVER_PHASE_A=fused``, -DHS_FUSED=1):
+    the same bits as the reference, step after step."""
+    monkeypatch.setenv("HISPARSE_RESOLVER_PHASE_A", "fused")
+    _over_steps(shape, 1)
+
+
+def test_fused_phase_a_random_shapes(monkeypatch):
+    """Random small shapes (K, H and the block size not multiples of each other, every path
+    in one batch): the fused sweep's four entries a thread and packed counts, against the
+    reference."""
+    monkeypatch.setenv("HISPARSE_RESOLVER_PHASE_A", "fused")
+    _random_shapes(20261206, [1])
+
+
+def test_fused_phase_a_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setenv("HISPARSE_RESOLVER_PHASE_A", "fused")
+    test_cuda_graph_capture_and_replay_match_eager(1)
 
 
 @pytest.mark.parametrize("cluster", [1, 4])
