@@ -46,7 +46,8 @@ def _module(device_index: int):
     return _build(device_index, _DEFINES)
 
 
-SOURCES = ("resolver.cu", "resolver_cluster.cu")  # one module: the second uses the first's helpers
+SOURCES = ("resolver.cu", "resolver_copy.cu", "resolver_cluster.cu")  # one module: the later
+# files use resolver.cu's helpers
 
 
 def source() -> str:
