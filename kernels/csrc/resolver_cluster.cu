@@ -149,15 +149,7 @@ __device__ __forceinline__ void resolve_cluster(
     for (int j = tid; j < K; j += T) {
         const int p = s_tk[j];
         if (p < 0 || (long long)p == n - 1) continue;
-        unsigned h = hash_pos(p, hash_bits);
-        while (true) {
-            const int old = atomicCAS(&h_keys[h], -1, p);
-            if (old == -1) {
-                h_vals[h] = j;
-                break;
-            }
-            h = (h + 1) & mask;
-        }
+        hash_insert(h_keys, h_vals, p, j, hash_bits, mask);
     }
     cluster_sync();  // (A)
     // 1) probe the own slots; a hit claims its top-k entry in the owning block.
