@@ -134,13 +134,9 @@ def test_fused_phase_a_random_shapes(monkeypatch):
     _random_shapes(20261206, [1])
 
 
-def test_fused_phase_a_in_a_cuda_graph(monkeypatch):
-    monkeypatch.setenv("HISPARSE_RESOLVER_PHASE_A", "fused")
-    test_cuda_graph_capture_and_replay_match_eager(1)
-
-
-@pytest.mark.parametrize("cluster", [1, 4])
-def test_cuda_graph_capture_and_replay_match_eager(cluster):
+@pytest.mark.parametrize("cluster,phase_a", [(1, "default"), (4, "default"), (1, "fused")])
+def test_cuda_graph_capture_and_replay_match_eager(cluster, phase_a, monkeypatch):
+    monkeypatch.setenv("HISPARSE_RESOLVER_PHASE_A", phase_a)
     if cluster > 1:
         _need_clusters()
     case = gpu_case(7, batch=8, k=256, h=1024, seq_lens=[1500] * 7 + [0], page_size=64,
