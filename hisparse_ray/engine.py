@@ -204,7 +204,6 @@ class Engine:
         self._pending: dict[RequestId, _Pending] = {}
         self._known: dict[RequestId, _Pending] = {}
         self._inflight = None  # the launched step not finished yet (lookahead)
-        self.pipelined = c.pipelined
         self.steps = 0
         # prefill_hook(request_id, layer, topk) may record or replace a prefill's top-k (tests, tools)
         self.prefill_hook: Any = None
@@ -229,7 +228,7 @@ class Engine:
             raise CapacityError(f"positions of request {rid!r} (fast_path.max_context)",
                                 len(p.prompt) + max_new_tokens, fast.max_context)
         adm = self.core.admit(rid, p.prompt, max_new_tokens, eos_token_id,
-                              chain=self.pipelined)  # validates first
+                              chain=self.config.pipelined)  # validates first
         self._known[rid] = p
         self.worker.set_sampling(rid, sampling or SamplingParams())
         if adm is not None:
@@ -324,7 +323,7 @@ class Engine:
             launched = self.worker.launch(cmd)
         self.steps += 1
         self._finish_inflight()
-        if self.pipelined:
+        if self.config.pipelined:
             self._inflight = launched
         else:
             self.core.apply_report(self.worker.finish(launched))

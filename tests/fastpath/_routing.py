@@ -37,7 +37,7 @@ class RoutingRecorder:
 
     def attach(self, eng) -> None:
         """Wrap ``eng.worker.on_logits`` (set it first) to file each step's router calls."""
-        if eng.pipelined:
+        if eng.config.pipelined:
             raise AssertionError("RoutingRecorder needs EngineConfig(lookahead=False): a pipelined "
                                  "step launches before the previous one's logits are read")
         inner = eng.worker.on_logits
