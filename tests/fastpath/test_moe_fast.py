@@ -18,14 +18,14 @@ from hisparse_ray.fastpath.moe import every_expert, moe_step
 from hisparse_ray.model.layers import MoE
 from hisparse_ray.model.model import build_tiny_model
 
+from .test_engine_fast import H, ONE, assert_same, fast_cfg, prompts_of, run
+
 # The MoE fast step's stated logit tolerance (x the rms of the reference logits, the form of
 # test_fast_gpu.TOL, 0.05 for the dense models): the experts run as one grouped bf16 GEMM
 # (DeepGEMM's masked kernel), the reference as per-expert matmuls, and each sparse layer adds its
 # rounding to the attention's. Measured on the H100 (2026-12-05): 0.043 with bf16 rows, 0.052
 # with fp8 rows.
 MOE_TOL = 0.08
-
-from .test_engine_fast import H, ONE, assert_same, fast_cfg, prompts_of, run
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,7 @@ def test_moe_one_bucket_exact_when_a_request_runs_at_other_rows(moe_model):
     hs = run(moe_model, prompts, news, fast_cfg(fast, num_device_blocks=6, lookahead=False))
     assert_same(hs, base)
     assert hs[2].spills > 0 and hs[4] != base[4]  # the schedules really differed
+
 
 def test_routing_recorder_files_every_decoded_row(moe_model):
     """The recorder the GPU tolerance test relies on: on the CPU the fast path (one padded bucket
